@@ -1,1 +1,46 @@
+"""GRPO math independent of models: advantages, the loss registry, reward functions."""
 
+from longstraw.grpo.advantages import group_advantages, weighted_rewards
+from longstraw.grpo.losses import (
+    LOSSES,
+    BranchStats,
+    LossFn,
+    LossStats,
+    branch_loss,
+    clipped_surrogate_objective,
+    get_loss,
+    group_loss,
+    reduce_stats,
+    register_loss,
+    sequence_weights,
+)
+from longstraw.grpo.rewards import (
+    REWARDS,
+    RewardFn,
+    get_reward,
+    register_reward,
+    score_group,
+    score_group_per_func,
+)
+
+__all__ = [
+    "LOSSES",
+    "REWARDS",
+    "BranchStats",
+    "LossFn",
+    "LossStats",
+    "RewardFn",
+    "branch_loss",
+    "clipped_surrogate_objective",
+    "get_loss",
+    "get_reward",
+    "group_advantages",
+    "group_loss",
+    "reduce_stats",
+    "register_loss",
+    "register_reward",
+    "score_group",
+    "score_group_per_func",
+    "sequence_weights",
+    "weighted_rewards",
+]

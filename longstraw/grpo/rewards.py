@@ -1,0 +1,156 @@
+"""Reward functions: a registry by name, user functions by `package.module:function`.
+
+A reward function scores one response: `(prompt: str, response: str, metadata: dict) -> float`.
+Built-in task rewards register themselves with `@register_reward("name")` (see longstraw/data);
+users point a run at their own function with the spec "package.module:function". No torch here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+RewardFn = Callable[[str, str, dict], float]
+
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register the decorated function as reward `name` (no ':' in names: that marks user specs)."""
+    if not name or ":" in name:
+        raise ValueError(f"reward name {name!r} must be non-empty and contain no ':'")
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        previous = REWARDS.get(name)
+        # The same function object may register twice (module reloads); a different one may not.
+        if previous is not None and previous is not fn:
+            raise ValueError(
+                f"reward {name!r} is already registered by {_describe(previous)}; pick another name"
+            )
+        REWARDS[name] = fn
+        return fn
+
+    return decorate
+
+
+def _describe(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _import_user_reward(spec: str) -> RewardFn:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ValueError(
+            f"reward spec {spec!r}: cannot import module {module_name!r} ({err}); check the name and "
+            "that its package is installed or on sys.path"
+        ) from err
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"reward spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}; "
+                "check the function name after ':'"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(
+            f"reward spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a function; point "
+            "at a callable (prompt, response, metadata) -> float"
+        )
+    return obj
+
+
+def get_reward(spec: str | RewardFn) -> RewardFn:
+    """The reward function for a registered name, a 'package.module:function' spec, or a callable."""
+    if callable(spec):
+        return spec
+    if ":" in spec:
+        return _import_user_reward(spec)
+    try:
+        return REWARDS[spec]
+    except KeyError:
+        raise ValueError(
+            f"unknown reward {spec!r}; registered rewards: {sorted(REWARDS)}; or give a user "
+            "function as 'package.module:function'"
+        ) from None
+
+
+def _spec_name(spec: str | RewardFn) -> str:
+    return spec if isinstance(spec, str) else _describe(spec)
+
+
+def _as_reward_value(value: Any, sample: int, name: str) -> float:
+    # Numbers, numpy scalars, 0-d tensors and bools (0/1) are accepted; strings and None are not.
+    if isinstance(value, (str, bytes)) or value is None:
+        ok = False
+    else:
+        ok = isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    if not ok:
+        raise ValueError(
+            f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {sample}; "
+            "it must return a number"
+        )
+    try:
+        result = float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"reward function {name!r} returned {value!r} for sample {sample}, which is not a number"
+        ) from err
+    if not math.isfinite(result):
+        raise ValueError(
+            f"reward function {name!r} returned {result} for sample {sample}; rewards must be finite"
+        )
+    return result
+
+
+def score_group_per_func(
+    reward_specs: Sequence[str | RewardFn],
+    prompt: str,
+    responses: Sequence[str],
+    metadata: Mapping[str, Any] | None = None,
+) -> list[list[float]]:
+    """[G][F] reward of each response under each reward function, validated finite numbers."""
+    if not reward_specs:
+        raise ValueError("no reward functions given; pass at least one reward spec")
+    fns = [get_reward(s) for s in reward_specs]
+    names = [_spec_name(s) for s in reward_specs]
+    meta = dict(metadata or {})
+    table: list[list[float]] = []
+    for i, response in enumerate(responses):
+        # Each call gets its own shallow copy: a function that mutates metadata cannot leak into
+        # the next sample's score.
+        row = [
+            _as_reward_value(fn(prompt, response, dict(meta)), i, n)
+            for fn, n in zip(fns, names, strict=True)
+        ]
+        table.append(row)
+    return table
+
+
+def score_group(
+    reward_specs: Sequence[str | RewardFn],
+    weights: Sequence[float] | None,
+    prompt: str,
+    responses: Sequence[str],
+    metadata: Mapping[str, Any] | None = None,
+) -> list[float]:
+    """[G] total reward of each response: sum over reward functions of weight * reward.
+
+    `weights` has one entry per spec (None: all 1.0, as TRL). Raises ValueError naming the sample
+    and the function when a reward is not a number or not finite.
+    """
+    if weights is not None and len(weights) != len(reward_specs):
+        raise ValueError(
+            f"got {len(weights)} reward weights for {len(reward_specs)} reward functions; give one "
+            "weight per function (GRPOConfig.reward_weights) or none"
+        )
+    w = [1.0] * len(reward_specs) if weights is None else [float(x) for x in weights]
+    table = score_group_per_func(reward_specs, prompt, responses, metadata)
+    return [math.fsum(wf * r for wf, r in zip(w, row, strict=True)) for row in table]
