@@ -1,1 +1,43 @@
+"""Prompt-state persistence: Zarr v3 over fsspec (file://, s3://) with a commit protocol.
 
+The only package that builds URIs or touches fsspec/zarr. Entry points:
+open_state_writer / open_persisting_writer (write, resume, commit), open_committed_state (read),
+verify_state, list_states / collect_garbage, and the `state` CLI sub-app in storage.cli.
+"""
+
+from longstraw.storage.background import BackgroundStateWriter
+from longstraw.storage.cache import StateCache, default_state_cache
+from longstraw.storage.errors import (
+    ChunkChecksumError,
+    ShardConflictError,
+    StateIntegrityError,
+    StateMismatchError,
+    StateNotCommittedError,
+)
+from longstraw.storage.reader import (
+    CommittedState,
+    naive_read_committed_state,
+    open_committed_state,
+    read_manifest,
+    verify_state,
+)
+from longstraw.storage.writer import ShardData, StateWriter, open_state_writer
+
+__all__ = [
+    "BackgroundStateWriter",
+    "ChunkChecksumError",
+    "CommittedState",
+    "ShardConflictError",
+    "ShardData",
+    "StateCache",
+    "StateIntegrityError",
+    "StateMismatchError",
+    "StateNotCommittedError",
+    "StateWriter",
+    "default_state_cache",
+    "naive_read_committed_state",
+    "open_committed_state",
+    "open_state_writer",
+    "read_manifest",
+    "verify_state",
+]

@@ -1,0 +1,28 @@
+"""Errors raised by the storage layer; each message says what to do about it."""
+
+
+class StateNotCommittedError(FileNotFoundError):
+    """No COMMITTED.json where a committed state was expected (never written, or the writer died)."""
+
+
+class StateMismatchError(ValueError):
+    """The committed state was computed with other weights / policy version / layout than expected."""
+
+
+class StateIntegrityError(ValueError):
+    """Stored bytes do not match their manifest."""
+
+
+class ChunkChecksumError(StateIntegrityError):
+    """A chunk's sha256 differs from the manifest (or the chunk is missing or has the wrong size)."""
+
+    def __init__(self, array: str, index: tuple[int, ...], uri: str, detail: str):
+        self.array = array
+        self.index = index
+        self.uri = uri
+        super().__init__(f"array {array!r} chunk {index}: {detail} ({uri})")
+
+
+class ShardConflictError(RuntimeError):
+    """Another writer already recorded this shard with different bytes: this writer's later shards
+    would be built on a state that is not the recorded one. Reopen with resume=True."""

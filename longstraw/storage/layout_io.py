@@ -1,0 +1,67 @@
+"""Where each chunk of a layout lands in the full arrays, and zarr metadata for an attempt."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import zarr
+from zarr.codecs import BytesCodec
+
+from longstraw.schemas.storage import ArraySpec, ChunkDigest, StateLayout, StorageConfig
+from longstraw.storage.paths import storage_options
+
+
+def chunk_region(spec: ArraySpec, shard_tokens: int, index: tuple[int, ...]) -> tuple[slice, slice]:
+    """(layer slice, axis-1 slice) of the full array that chunk `index` holds (edge chunks trimmed)."""
+    layers, along = spec.chunk_shape(shard_tokens)[:2]
+    c, j = index[0], index[1]
+    return (
+        slice(c * layers, min((c + 1) * layers, spec.shape[0])),
+        slice(j * along, min((j + 1) * along, spec.shape[1])),
+    )
+
+
+def place_chunk(
+    out: np.ndarray, spec: ArraySpec, shard_tokens: int, digest: ChunkDigest, data: bytes
+) -> None:
+    """Copy one chunk's stored bytes into its region of the full stored-dtype array `out`."""
+    chunk = np.frombuffer(data, dtype=spec.stored_dtype).reshape(spec.chunk_shape(shard_tokens))
+    rl, ra = chunk_region(spec, shard_tokens, digest.index)
+    out[rl, ra] = chunk[: rl.stop - rl.start, : ra.stop - ra.start]
+
+
+def zarr_store(zarr_uri: str, config: StorageConfig | None = None):
+    if zarr_uri.startswith("file://"):
+        return zarr.storage.LocalStore(zarr_uri[len("file://") :])
+    return zarr.storage.FsspecStore.from_url(
+        zarr_uri, storage_options=storage_options(zarr_uri, config) or None
+    )
+
+
+def create_attempt_arrays(zarr_uri: str, layout: StateLayout, config: StorageConfig) -> None:
+    """Array metadata for one attempt's state.zarr, then consolidated metadata (one read lists all)."""
+    store = zarr_store(zarr_uri, config)
+    root = zarr.create_group(
+        store=store, attributes={"longstraw_layout": layout.model_dump(mode="json")}
+    )
+    for a in layout.arrays:
+        root.create_array(
+            a.name,
+            shape=a.shape,
+            chunks=a.chunk_shape(layout.shard_tokens),
+            dtype=a.stored_dtype,
+            fill_value=0,
+            compressors=None,
+            filters=None,
+            serializer=BytesCodec(endian="little"),
+            chunk_key_encoding={"name": "default", "separator": "/"},
+            # Every chunk is written, zero or not: a missing chunk means an incomplete write.
+            config={"write_empty_chunks": True},
+            attributes={"logical_dtype": a.dtype, "kind": a.kind},
+            dimension_names=["layer", "token" if a.kind == "token" else "shard_boundary"]
+            + [f"dim{i}" for i in range(2, len(a.shape))],
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"
+        zarr.consolidate_metadata(store)
