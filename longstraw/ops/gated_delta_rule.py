@@ -1,0 +1,211 @@
+"""Gated delta rule (Gated DeltaNet's linear attention) with a carried recurrent state.
+
+Drop-in replacements for transformers' `torch_chunk_gated_delta_rule` and
+`torch_recurrent_gated_delta_rule` (qwen3_5 / qwen3_next, transformers 5.24): same argument
+names, layouts, dtypes and return values, but
+
+- differentiable w.r.t. `initial_state` (plain autograd), so a branch replay started from the
+  prompt's final state yields dS, and a loss on the returned final state flows back into
+  `initial_state` (exact mode);
+- no input is ever written in place (the prompt state is shared by every branch);
+- any sequence length T >= 1, so prefill can run shard by shard, each shard starting from the
+  previous shard's final state.
+
+The recurrence, per value head, with S the [Dk, Dv] state, scale = Dk ** -0.5:
+
+    S_t   = exp(g_t) * S_{t-1}
+    S_t  += k_t ⊗ (beta_t * (v_t - S_t^T k_t))        (the delta rule: write only the error)
+    o_t   = S_t^T (scale * q_t)
+
+Legend (transformers' layouts):
+    B batch, T tokens, Hk query/key heads, Hv value heads (a multiple of Hk: each key head
+    serves Hv // Hk consecutive value heads), Dk key head dim, Dv value head dim,
+    N chunks, C chunk size.
+    query_BTHD, key_BTHD [B, T, Hk, Dk]; value [B, T, Hv, Dv]; g, beta [B, T, Hv];
+    initial_state / final_state [B, Hv, Dk, Dv] (fp32); output [B, T, Hv, Dv] in query's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# transformers' l2norm (aligned with fla): x * rsqrt(sum(x^2) + eps), eps = 1e-6.
+_L2NORM_EPS = 1e-6
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
+
+
+def _check_inputs(query, key, value, g, beta, initial_state, kwargs) -> None:
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError(
+            "packed sequences (cu_seqlens) are not supported by LongStraw's gated delta rule; "
+            "run one sequence per batch row instead"
+        )
+    if query.ndim != 4 or query.shape != key.shape:
+        raise ValueError(
+            f"query and key must both be [B, T, Hk, Dk]; got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    B, T, Hk, Dk = key.shape
+    if value.ndim != 4 or value.shape[:2] != (B, T) or value.shape[2] % Hk != 0:
+        raise ValueError(
+            f"value must be [B, T, Hv, Dv] with Hv a multiple of Hk={Hk}; got {tuple(value.shape)}"
+        )
+    Hv, Dv = value.shape[2:]
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"{name} must be [B, T, Hv] = {(B, T, Hv)}; got {tuple(t.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, Dk, Dv):
+        raise ValueError(
+            f"initial_state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}; got {tuple(initial_state.shape)}"
+        )
+
+
+def _to_heads_first_fp32(query, key, value, g, beta, use_qk_l2norm_in_kernel):
+    """[B, T, H, D] -> [B, Hv, T, D] fp32 (keys/queries repeated for grouped value heads),
+    l2-normalised if asked, queries scaled by Dk ** -0.5 — exactly transformers' preamble."""
+    Hk, Hv = key.shape[2], value.shape[2]
+    if Hk != Hv:
+        query = query.repeat_interleave(Hv // Hk, dim=2)
+        key = key.repeat_interleave(Hv // Hk, dim=2)
+    q, k, v, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, g)
+    )
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def chunked_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule over chunks of `chunk_size` tokens (the WY/UT form), from `initial_state`.
+
+    Same signature, layouts and results as transformers' `torch_chunk_gated_delta_rule`
+    (see the module legend); extra keyword arguments (e.g. `cu_seqlens=None`) are accepted and
+    ignored, except a non-None `cu_seqlens`, which is refused. Returns
+    (output [B, T, Hv, Dv] in query's dtype, final_state [B, Hv, Dk, Dv] fp32 or None).
+
+    Differences from transformers', which do not change the math: a sequence shorter than one
+    chunk is one chunk of its own length (no padding to 64 for a 1-token step); the two
+    triangular solves share one call; the inter-chunk reads `q @ S` run batched after the scan
+    instead of inside it; nothing is assigned into a slice, so autograd sees plain ops.
+    """
+    _check_inputs(query, key, value, g, beta, initial_state, kwargs)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    out_dtype = query.dtype
+    B, T, _, Dk = key.shape
+    Hv, Dv = value.shape[2:]
+    q, k, v, g, beta = _to_heads_first_fp32(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+
+    if initial_state is None:
+        state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+    else:
+        state = initial_state.to(torch.float32)
+    if T == 0:
+        return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), (state if output_final_state else None)
+
+    C = min(chunk_size, T)
+    # Padded tokens have k = v = beta = 0 and g = 0 (decay 1): they leave the state untouched.
+    pad = (C - T % C) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    N = (T + pad) // C
+    q_BHNCK, k_BHNCK = q.view(B, Hv, N, C, Dk), k.view(B, Hv, N, C, Dk)
+    v_BHNCV = v.view(B, Hv, N, C, Dv)
+    beta_BHNC1 = beta.view(B, Hv, N, C, 1)
+
+    # gcum[..., i]: log of the decay from the chunk start through token i.
+    gcum_BHNC = g.view(B, Hv, N, C).cumsum(dim=-1)
+    strictly_upper_CC = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    # decay_ij = exp(gcum_i - gcum_j) for j <= i; masked to -inf before exp so it cannot overflow.
+    decay_BHNCC = (
+        (gcum_BHNC.unsqueeze(-1) - gcum_BHNC.unsqueeze(-2))
+        .masked_fill(strictly_upper_CC, float("-inf"))
+        .exp()
+    )
+    k_beta_BHNCK = k_BHNCK * beta_BHNC1
+    # UT transform: (I + strict_lower(diag(beta) K K^T ⊙ decay)) [u | w] = [beta v | beta k e^gcum].
+    ut_BHNCC = (k_beta_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
+    rhs = torch.cat([v_BHNCV * beta_BHNC1, k_beta_BHNCK * gcum_BHNC.exp().unsqueeze(-1)], dim=-1)
+    uw = torch.linalg.solve_triangular(ut_BHNCC, rhs, upper=False, unitriangular=True)
+    u_BHNCV, w_BHNCK = uw[..., :Dv], uw[..., Dv:]
+    attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
+
+    # Keys weighted by the decay from each token to the chunk end, for the state update.
+    k_to_end_BHNCK = k_BHNCK * (gcum_BHNC[..., -1:] - gcum_BHNC).exp().unsqueeze(-1)
+    chunk_decay_BHN11 = gcum_BHNC[..., -1].exp()[..., None, None]
+
+    # Sequential scan: only what needs the running state. starts[i] is the state entering chunk i.
+    starts, v_new = [], []
+    for i in range(N):
+        starts.append(state)
+        v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
+        v_new.append(v_new_i)
+        state = (
+            state * chunk_decay_BHN11[:, :, i] + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
+        )
+    starts_BHNKV = torch.stack(starts, dim=2)
+    v_new_BHNCV = torch.stack(v_new, dim=2)
+
+    # Output = read of the entering state (decayed to each token) + intra-chunk attention.
+    q_decayed_BHNCK = q_BHNCK * gcum_BHNC.exp().unsqueeze(-1)
+    out_BHNCV = q_decayed_BHNCK @ starts_BHNKV + attn_BHNCC @ v_new_BHNCV
+    out = out_BHNCV.reshape(B, Hv, N * C, Dv)[:, :, :T]
+    out = out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
+    return out, (state if output_final_state else None)
+
+
+def naive_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference: the per-token recurrence, as transformers' `torch_recurrent_gated_delta_rule`.
+
+    Same signature as `chunked_gated_delta_rule` (`chunk_size` is accepted and ignored) and the
+    same results up to fp32 reordering. Slow: one small step per token.
+    """
+    del chunk_size
+    _check_inputs(query, key, value, g, beta, initial_state, kwargs)
+    out_dtype = query.dtype
+    B, T, _, Dk = key.shape
+    Hv, Dv = value.shape[2:]
+    q, k, v, g, beta = _to_heads_first_fp32(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    if initial_state is None:
+        state_BHKV = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+    else:
+        state_BHKV = initial_state.to(torch.float32)
+    outs = []
+    for t in range(T):
+        q_t, k_t, v_t = q[:, :, t], k[:, :, t], v[:, :, t]
+        state_BHKV = state_BHKV * g[:, :, t].exp()[..., None, None]
+        kv_mem_BHV = (state_BHKV * k_t.unsqueeze(-1)).sum(dim=-2)
+        delta_BHV = (v_t - kv_mem_BHV) * beta[:, :, t].unsqueeze(-1)
+        state_BHKV = state_BHKV + k_t.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
+        outs.append((state_BHKV * q_t.unsqueeze(-1)).sum(dim=-2))
+    out = torch.stack(outs, dim=1) if T else value.new_zeros(B, 0, Hv, Dv, dtype=torch.float32)
+    out = out.to(out_dtype, memory_format=torch.contiguous_format)
+    return out, (state_BHKV if output_final_state else None)
