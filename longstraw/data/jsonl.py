@@ -95,16 +95,15 @@ class ResponseRecord(BaseModel):
 
 _Record = TypeVar("_Record", PromptRecord, ResponseRecord)
 
-# Which field a record-level (model validator) error is about, from its message.
-_RECORD_LEVEL_FIELDS = ("sampler_logprobs", "prompt_ids", "prompt", "response_ids", "response")
 
-
-def _field_of(error: dict[str, Any]) -> str | None:
+def _field_of(error: dict[str, Any], model: type[BaseModel]) -> str | None:
     loc = [str(part) for part in error.get("loc", ())]
     if loc:
         return ".".join(loc)
+    # A record-level check names its fields in quotes; the first one named is the field.
     message = error.get("msg", "")
-    return next((f for f in _RECORD_LEVEL_FIELDS if f"'{f}'" in message), None)
+    named = [(message.find(f"'{f}'"), f) for f in model.model_fields if f"'{f}'" in message]
+    return min(named)[1] if named else None
 
 
 def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
@@ -129,7 +128,7 @@ def _read_jsonl(path: str | os.PathLike, model: type[_Record]) -> Iterator[tuple
             except ValidationError as exc:
                 error = exc.errors()[0]
                 raise DataFormatError(
-                    path_str, line_no, _field_of(error), _describe(error, model)
+                    path_str, line_no, _field_of(error, model), _describe(error, model)
                 ) from None
 
 
