@@ -27,10 +27,10 @@ ScaleRewards = Literal["group", "batch", "none"]
 
 
 def _as_rewards_tensor(rewards: Tensor | Sequence[float] | Sequence[Sequence[float]]) -> Tensor:
-    t = torch.as_tensor(rewards)
-    if not t.is_floating_point():
-        t = t.to(torch.float64)
-    return t
+    # Python numbers become float64 (torch's default float32 would round them before we start).
+    if not isinstance(rewards, Tensor):
+        return torch.as_tensor(rewards, dtype=torch.float64)
+    return rewards if rewards.is_floating_point() else rewards.to(torch.float64)
 
 
 def weighted_rewards(
