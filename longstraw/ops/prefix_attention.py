@@ -4,8 +4,8 @@ Shape legend:
     B batch rows (samples of one prompt), H query heads, K kv heads (H % K == 0),
     G = H // K query heads per kv head, R branch length (or prefill shard length),
     T prefix length (may be 0), D query/key head dim, V value head dim (may differ from D),
-    Q rows of one query chunk with the G heads of a kv group folded in (G * chunk rows),
-    C keys of one key chunk.
+    N rows of one query chunk with the G heads of a kv group folded in (G * chunk rows),
+    M = B * N (all rows of a query chunk that read the same prefix kv head), C keys of one chunk.
     Value tensors keep the `_BKRD`/`_TKD` suffix of the public API; their last dim is V.
 
 The prefix K/V are the prompt state ([T, K, D], no batch dim, shared by all B rows). They are
@@ -13,6 +13,10 @@ read chunk by chunk, never concatenated, copied whole or saved for backward: aut
 them as ctx attributes (they live anyway as the state) and backward re-reads them. In exact
 mode the prefix gradient is *added* into caller-owned fp32 buffers, so accumulating the prompt
 cotangent over many branches allocates nothing prefix-sized.
+
+Internally every branch-sized tensor is laid out kv-head-major, [K, B, ...]: then the B * G query
+rows of one kv head are one matrix, and each prefix chunk costs one bmm over K, with no copy of
+the prefix chunk per batch row or per head.
 
 The pure-torch path below is used on every device; flash_attn is not used because its backward
 cannot add the prefix dK/dV into an external buffer without materialising a prefix-sized tensor.
@@ -43,100 +47,106 @@ def merge_partial_attention(
 
 
 # --------------------------------------------------------------------------------------------
-# Chunked forward pieces. Queries arrive as one chunk [B, K, Q, D] (G heads folded into rows)
+# Forward pieces. One query chunk arrives pre-scaled (q * scale, so scores need no extra pass)
 # in the compute dtype; the running online-softmax state is (row max, row sum, unnormalised out).
 
 
 def _online_softmax_step(
-    max_BKQ: Tensor, sum_BKQ: Tensor, acc_BKQV: Tensor, scores_BKQC: Tensor, v_xKCV: Tensor
+    max_xN: Tensor, sum_xN: Tensor, acc_xNV: Tensor, scores_xNC: Tensor, v_xCV: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    new_max_BKQ = torch.maximum(max_BKQ, scores_BKQC.amax(dim=-1))
-    rescale_BKQ = torch.exp(max_BKQ - new_max_BKQ)
-    probs_BKQC = torch.exp(scores_BKQC - new_max_BKQ[..., None])
-    new_sum_BKQ = sum_BKQ * rescale_BKQ + probs_BKQC.sum(dim=-1)
-    new_acc_BKQV = acc_BKQV * rescale_BKQ[..., None] + probs_BKQC @ v_xKCV
-    return new_max_BKQ, new_sum_BKQ, new_acc_BKQV
+    new_max_xN = torch.maximum(max_xN, scores_xNC.amax(dim=-1))
+    rescale_xN = torch.exp(max_xN - new_max_xN)
+    probs_xNC = scores_xNC.sub_(new_max_xN[..., None]).exp_()  # scores are a fresh temporary
+    new_sum_xN = sum_xN * rescale_xN + probs_xNC.sum(dim=-1)
+    new_acc_xNV = (acc_xNV * rescale_xN[..., None]).add_(probs_xNC @ v_xCV)
+    return new_max_xN, new_sum_xN, new_acc_xNV
 
 
-def _finish(max_BKQ: Tensor, sum_BKQ: Tensor, acc_BKQV: Tensor) -> tuple[Tensor, Tensor]:
-    return acc_BKQV / sum_BKQ[..., None], max_BKQ + torch.log(sum_BKQ)
+def _empty_state(q_xND: Tensor, value_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    rows_shape = q_xND.shape[:-1]
+    return (
+        q_xND.new_full(rows_shape, float("-inf")),
+        q_xND.new_zeros(rows_shape),
+        q_xND.new_zeros((*rows_shape, value_dim)),
+    )
+
+
+def _finish(max_xN: Tensor, sum_xN: Tensor, acc_xNV: Tensor) -> tuple[Tensor, Tensor]:
+    return acc_xNV / sum_xN[..., None], max_xN + torch.log(sum_xN)
 
 
 def _prefix_partial(
-    q_BKQD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKD: Tensor, scale: float, chunk_size: int
+    q_KMD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKD: Tensor, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one query chunk over all prefix keys; requires T > 0."""
-    batch, num_kv_heads, rows, _ = q_BKQD.shape
-    dtype = q_BKQD.dtype
-    max_BKQ = q_BKQD.new_full((batch, num_kv_heads, rows), float("-inf"))
-    sum_BKQ = q_BKQD.new_zeros((batch, num_kv_heads, rows))
-    acc_BKQV = q_BKQD.new_zeros((batch, num_kv_heads, rows, v_prefix_TKD.shape[-1]))
+    """Attention of pre-scaled query rows over all prefix keys; requires T > 0."""
+    state = _empty_state(q_KMD, v_prefix_TKD.shape[-1])
     for start in range(0, k_prefix_TKD.shape[0], chunk_size):
-        # .to() copies one chunk at most (none when the state is already in the compute dtype).
-        k_KDC = k_prefix_TKD[start : start + chunk_size].to(dtype).permute(1, 2, 0)
-        v_KCV = v_prefix_TKD[start : start + chunk_size].to(dtype).permute(1, 0, 2)
-        scores_BKQC = (q_BKQD @ k_KDC) * scale
-        max_BKQ, sum_BKQ, acc_BKQV = _online_softmax_step(
-            max_BKQ, sum_BKQ, acc_BKQV, scores_BKQC, v_KCV
-        )
-    return _finish(max_BKQ, sum_BKQ, acc_BKQV)
+        # .to() copies one chunk at most (none when the state is already in the compute dtype);
+        # the transposes are views that bmm reads with strides.
+        k_KCD = k_prefix_TKD[start : start + chunk_size].to(q_KMD.dtype).transpose(0, 1)
+        v_KCV = v_prefix_TKD[start : start + chunk_size].to(q_KMD.dtype).transpose(0, 1)
+        state = _online_softmax_step(*state, q_KMD @ k_KCD.transpose(-1, -2), v_KCV)
+    return _finish(*state)
 
 
-def _causal_mask_QC(
+def _hidden_NC(
     query_start: int, query_end: int, key_start: int, key_end: int, num_groups: int, device
 ) -> Tensor:
     """True where a (group-folded) query row may NOT see a key: key position > query position."""
-    query_pos_Q = torch.arange(query_start, query_end, device=device).repeat(num_groups)
+    query_pos_N = torch.arange(query_start, query_end, device=device).repeat(num_groups)
     key_pos_C = torch.arange(key_start, key_end, device=device)
-    return key_pos_C[None, :] > query_pos_Q[:, None]
+    return key_pos_C[None, :] > query_pos_N[:, None]
 
 
 def _branch_partial(
-    q_BKQD: Tensor,
-    k_branch_BKRD: Tensor,
-    v_branch_BKRD: Tensor,
+    q_KBND: Tensor,
+    k_KBRD: Tensor,
+    v_KBRV: Tensor,
     query_start: int,
     query_end: int,
-    scale: float,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of branch queries [query_start, query_end) over branch keys 0..query."""
-    batch, num_kv_heads, rows, _ = q_BKQD.shape
-    num_groups = rows // (query_end - query_start)
-    dtype = q_BKQD.dtype
-    max_BKQ = q_BKQD.new_full((batch, num_kv_heads, rows), float("-inf"))
-    sum_BKQ = q_BKQD.new_zeros((batch, num_kv_heads, rows))
-    acc_BKQV = q_BKQD.new_zeros((batch, num_kv_heads, rows, v_branch_BKRD.shape[-1]))
+    num_groups = q_KBND.shape[2] // (query_end - query_start)
+    state = _empty_state(q_KBND, v_KBRV.shape[-1])
     # Key 0 is in the first chunk and visible to every query, so no row's max stays -inf.
     for key_start in range(0, query_end, chunk_size):
-        key_end = min(key_start + chunk_size, k_branch_BKRD.shape[2])
-        k_BKCD = k_branch_BKRD[:, :, key_start:key_end].to(dtype)
-        v_BKCV = v_branch_BKRD[:, :, key_start:key_end].to(dtype)
-        scores_BKQC = (q_BKQD @ k_BKCD.transpose(-1, -2)) * scale
+        key_end = min(key_start + chunk_size, k_KBRD.shape[2])
+        scores_KBNC = q_KBND @ k_KBRD[:, :, key_start:key_end].transpose(-1, -2)
         if key_end - 1 > query_start:
-            hidden_QC = _causal_mask_QC(
-                query_start, query_end, key_start, key_end, num_groups, q_BKQD.device
+            hidden_NC = _hidden_NC(
+                query_start, query_end, key_start, key_end, num_groups, q_KBND.device
             )
-            scores_BKQC = scores_BKQC.masked_fill(hidden_QC, float("-inf"))
-        max_BKQ, sum_BKQ, acc_BKQV = _online_softmax_step(
-            max_BKQ, sum_BKQ, acc_BKQV, scores_BKQC, v_BKCV
-        )
-    return _finish(max_BKQ, sum_BKQ, acc_BKQV)
+            scores_KBNC.masked_fill_(hidden_NC, float("-inf"))
+        state = _online_softmax_step(*state, scores_KBNC, v_KBRV[:, :, key_start:key_end])
+    return _finish(*state)
 
 
 def _query_chunks(branch_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, branch_len)) for s in range(0, branch_len, chunk_size)]
 
 
-def _fold(x_BKGRX: Tensor, start: int, end: int) -> Tensor:
-    """Rows [start, end) of every head of a kv group as one [B, K, G * rows, X] block."""
-    batch, num_kv_heads, num_groups, _, dim = x_BKGRX.shape
-    return x_BKGRX[:, :, :, start:end].reshape(batch, num_kv_heads, num_groups * (end - start), dim)
+def _fold(x_BHRX: Tensor, num_kv_heads: int, start: int, end: int, dtype) -> Tensor:
+    """Rows [start, end) of [B, H, R, X] as a contiguous [K, B, G * rows, X] block in `dtype`.
+
+    May share storage with `x_BHRX` (B = 1, fp32): read it, never write it in place.
+    """
+    batch, num_heads, branch_len, dim = x_BHRX.shape
+    num_groups = num_heads // num_kv_heads
+    x_BKGRX = x_BHRX.view(batch, num_kv_heads, num_groups, branch_len, dim)[:, :, :, start:end]
+    x_KBNX = x_BKGRX.transpose(0, 1).reshape(num_kv_heads, batch, num_groups * (end - start), dim)
+    return x_KBNX.to(dtype).contiguous()
 
 
-def _unfold(x_BKQX: Tensor, num_groups: int) -> Tensor:
-    batch, num_kv_heads, rows, dim = x_BKQX.shape
-    return x_BKQX.view(batch, num_kv_heads, num_groups, rows // num_groups, dim)
+def _unfold(x_KBNX: Tensor, num_groups: int) -> Tensor:
+    """Inverse of `_fold` for one chunk: [K, B, G * rows, X] -> [B, K, G, rows, X] (a view)."""
+    num_kv_heads, batch, rows, dim = x_KBNX.shape
+    return x_KBNX.view(num_kv_heads, batch, num_groups, rows // num_groups, dim).transpose(0, 1)
+
+
+def _kv_head_major(x_BKRX: Tensor, dtype) -> Tensor:
+    """Branch K or V as contiguous [K, B, R, X] in `dtype`; may share storage with the input."""
+    return x_BKRX.transpose(0, 1).to(dtype).contiguous()
 
 
 class _PrefixCachedAttention(torch.autograd.Function):
@@ -157,29 +167,28 @@ class _PrefixCachedAttention(torch.autograd.Function):
         num_kv_heads = k_branch_BKRD.shape[1]
         num_groups = num_heads // num_kv_heads
         value_dim = v_branch_BKRD.shape[-1]
-        prefix_len = k_prefix_TKD.shape[0]
         # Accumulate in fp32 for bf16/fp16 inputs; fp64 stays fp64 (lets gradcheck run).
         dtype = torch.promote_types(q_BHRD.dtype, torch.float32)
+        k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
+        v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
 
-        q_BKGRD = q_BHRD.view(batch, num_kv_heads, num_groups, branch_len, -1)
         out_BKGRV = q_BHRD.new_empty(
             (batch, num_kv_heads, num_groups, branch_len, value_dim), dtype=dtype
         )
         lse_BKGR = q_BHRD.new_empty((batch, num_kv_heads, num_groups, branch_len), dtype=dtype)
         for start, end in _query_chunks(branch_len, chunk_size):
-            q_BKQD = _fold(q_BKGRD, start, end).to(dtype)
-            out_BKQV, lse_BKQ = _branch_partial(
-                q_BKQD, k_branch_BKRD, v_branch_BKRD, start, end, scale, chunk_size
-            )
-            if prefix_len > 0:
-                out_p_BKQV, lse_p_BKQ = _prefix_partial(
-                    q_BKQD, k_prefix_TKD, v_prefix_TKD, scale, chunk_size
+            q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
+            out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
+            if k_prefix_TKD.shape[0] > 0:
+                # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
+                out_p_KMV, lse_p_KM = _prefix_partial(
+                    q_KBND.flatten(1, 2), k_prefix_TKD, v_prefix_TKD, chunk_size
                 )
-                out_BKQV, lse_BKQ = merge_partial_attention(
-                    out_p_BKQV, lse_p_BKQ, out_BKQV, lse_BKQ
+                out_KBNV, lse_KBN = merge_partial_attention(
+                    out_p_KMV.view(out_KBNV.shape), lse_p_KM.view(lse_KBN.shape), out_KBNV, lse_KBN
                 )
-            out_BKGRV[:, :, :, start:end] = _unfold(out_BKQV, num_groups)
-            lse_BKGR[:, :, :, start:end] = _unfold(lse_BKQ[..., None], num_groups)[..., 0]
+            out_BKGRV[:, :, :, start:end] = _unfold(out_KBNV, num_groups)
+            lse_BKGR[:, :, :, start:end] = _unfold(lse_KBN[..., None], num_groups)[..., 0]
 
         out_BHRV = out_BKGRV.view(batch, num_heads, branch_len, value_dim).to(q_BHRD.dtype)
         # Only branch-sized tensors go through save_for_backward. The prefix (and the gradient
@@ -211,25 +220,23 @@ class _PrefixCachedAttention(torch.autograd.Function):
         batch, num_heads, branch_len, _ = q_BHRD.shape
         num_kv_heads = k_branch_BKRD.shape[1]
         num_groups = num_heads // num_kv_heads
-        value_dim = v_branch_BKRD.shape[-1]
         prefix_len = k_prefix_TKD.shape[0]
         dtype = lse_BKGR.dtype
+        lse_BHR1 = lse_BKGR.view(batch, num_heads, branch_len, 1)
 
-        def grouped(x_BHRX: Tensor) -> Tensor:
-            return x_BHRX.view(batch, num_kv_heads, num_groups, branch_len, -1)
-
-        # Per query chunk, in the folded [B, K, Q, X] layout every block product uses.
+        # Per query chunk, in the [K, B, N, X] layout of the forward; q pre-scaled as there.
         chunks = _query_chunks(branch_len, chunk_size)
         q_chunks, grad_out_chunks, lse_chunks, delta_chunks = [], [], [], []
         for start, end in chunks:
-            q_chunks.append(_fold(grouped(q_BHRD), start, end).to(dtype))
-            grad_out_BKQV = _fold(grouped(grad_out_BHRV), start, end).to(dtype)
-            out_BKQV = _fold(grouped(out_BHRV), start, end).to(dtype)
-            grad_out_chunks.append(grad_out_BKQV)
-            lse_chunks.append(_fold(lse_BKGR[..., None], start, end)[..., 0])
-            # FlashAttention-2: dS = P * (dP - rowsum(dO * O)) with the GLOBAL softmax.
-            delta_chunks.append((grad_out_BKQV * out_BKQV).sum(dim=-1))
-        grad_q_chunks = [torch.zeros_like(q_BKQD) for q_BKQD in q_chunks]
+            q_chunks.append(_fold(q_BHRD, num_kv_heads, start, end, dtype) * scale)
+            grad_out_KBNV = _fold(grad_out_BHRV, num_kv_heads, start, end, dtype)
+            out_KBNV = _fold(out_BHRV, num_kv_heads, start, end, dtype)
+            grad_out_chunks.append(grad_out_KBNV)
+            lse_chunks.append(_fold(lse_BHR1, num_kv_heads, start, end, dtype))
+            # FlashAttention-2: dS = P * (dP - rowsum(dO * O)) with the GLOBAL softmax (lse).
+            delta_chunks.append((grad_out_KBNV * out_KBNV).sum(dim=-1, keepdim=True))
+        # Accumulates dL/d(scaled scores) @ K; times `scale` at the end gives dq.
+        grad_q_chunks = [torch.zeros_like(q_KBND) for q_KBND in q_chunks]
 
         for key_start in range(0, prefix_len, chunk_size):
             key_end = min(key_start + chunk_size, prefix_len)
@@ -238,58 +245,61 @@ class _PrefixCachedAttention(torch.autograd.Function):
             grad_k_KCD = torch.zeros_like(k_KCD) if grad_k_TKD is not None else None
             grad_v_KCV = torch.zeros_like(v_KCV) if grad_v_TKD is not None else None
             for i in range(len(chunks)):
-                q_BKQD, grad_out_BKQV = q_chunks[i], grad_out_chunks[i]
-                probs_BKQC = torch.exp(
-                    (q_BKQD @ k_KCD.transpose(-1, -2)) * scale - lse_chunks[i][..., None]
+                # Flattening B into the rows sums the shared prefix's gradient over batch rows
+                # and the heads of each kv group inside the bmm.
+                q_KMD = q_chunks[i].flatten(1, 2)
+                grad_out_KMV = grad_out_chunks[i].flatten(1, 2)
+                probs_KMC = (q_KMD @ k_KCD.transpose(-1, -2)).sub_(lse_chunks[i].flatten(1, 2))
+                probs_KMC.exp_()
+                grad_scores_KMC = (grad_out_KMV @ v_KCV.transpose(-1, -2)).sub_(
+                    delta_chunks[i].flatten(1, 2)
                 )
-                grad_scores_BKQC = probs_BKQC * (
-                    grad_out_BKQV @ v_KCV.transpose(-1, -2) - delta_chunks[i][..., None]
-                )
-                grad_q_chunks[i] += (grad_scores_BKQC @ k_KCD) * scale
-                # The prefix is shared by all rows and all heads of a group: sum over both.
+                grad_scores_KMC.mul_(probs_KMC)
+                # view(), not flatten(): it must fail rather than add into a copy.
+                grad_q_chunks[i].view(q_KMD.shape).add_(grad_scores_KMC @ k_KCD)
                 if grad_v_KCV is not None:
-                    grad_v_KCV += torch.einsum("bkqc,bkqv->kcv", probs_BKQC, grad_out_BKQV)
+                    grad_v_KCV.add_(probs_KMC.transpose(-1, -2) @ grad_out_KMV)
                 if grad_k_KCD is not None:
-                    grad_k_KCD += torch.einsum("bkqc,bkqd->kcd", grad_scores_BKQC, q_BKQD) * scale
+                    grad_k_KCD.add_(grad_scores_KMC.transpose(-1, -2) @ q_KMD)
             if grad_k_KCD is not None:
                 grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
             if grad_v_KCV is not None:
                 grad_v_TKD[key_start:key_end].add_(grad_v_KCV.transpose(0, 1))
 
-        grad_k_branch_BKRD = torch.zeros(k_branch_BKRD.shape, dtype=dtype, device=q_BHRD.device)
-        grad_v_branch_BKRD = torch.zeros(v_branch_BKRD.shape, dtype=dtype, device=q_BHRD.device)
+        k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
+        v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
+        grad_k_KBRD = torch.zeros_like(k_KBRD)
+        grad_v_KBRV = torch.zeros_like(v_KBRV)
         for key_start, key_end in chunks:
-            k_BKCD = k_branch_BKRD[:, :, key_start:key_end].to(dtype)
-            v_BKCV = v_branch_BKRD[:, :, key_start:key_end].to(dtype)
+            k_KBCD = k_KBRD[:, :, key_start:key_end]
+            v_KBCV = v_KBRV[:, :, key_start:key_end]
             for i, (start, end) in enumerate(chunks):
                 if end <= key_start:
                     continue  # every key of this chunk is in the future of these queries
-                q_BKQD, grad_out_BKQV = q_chunks[i], grad_out_chunks[i]
-                scores_BKQC = (q_BKQD @ k_BKCD.transpose(-1, -2)) * scale
+                q_KBND, grad_out_KBNV = q_chunks[i], grad_out_chunks[i]
+                scores_KBNC = q_KBND @ k_KBCD.transpose(-1, -2)
                 if key_end - 1 > start:
-                    hidden_QC = _causal_mask_QC(
+                    hidden_NC = _hidden_NC(
                         start, end, key_start, key_end, num_groups, q_BHRD.device
                     )
-                    scores_BKQC = scores_BKQC.masked_fill(hidden_QC, float("-inf"))
-                probs_BKQC = torch.exp(scores_BKQC - lse_chunks[i][..., None])
-                grad_scores_BKQC = probs_BKQC * (
-                    grad_out_BKQV @ v_BKCV.transpose(-1, -2) - delta_chunks[i][..., None]
+                    scores_KBNC.masked_fill_(hidden_NC, float("-inf"))
+                probs_KBNC = scores_KBNC.sub_(lse_chunks[i]).exp_()
+                grad_scores_KBNC = (grad_out_KBNV @ v_KBCV.transpose(-1, -2)).sub_(delta_chunks[i])
+                grad_scores_KBNC.mul_(probs_KBNC)
+                grad_q_chunks[i].add_(grad_scores_KBNC @ k_KBCD)
+                grad_v_KBRV[:, :, key_start:key_end].add_(
+                    probs_KBNC.transpose(-1, -2) @ grad_out_KBNV
                 )
-                grad_q_chunks[i] += (grad_scores_BKQC @ k_BKCD) * scale
-                grad_v_branch_BKRD[:, :, key_start:key_end] += (
-                    probs_BKQC.transpose(-1, -2) @ grad_out_BKQV
+                grad_k_KBRD[:, :, key_start:key_end].add_(
+                    grad_scores_KBNC.transpose(-1, -2) @ q_KBND
                 )
-                grad_k_branch_BKRD[:, :, key_start:key_end] += (
-                    grad_scores_BKQC.transpose(-1, -2) @ q_BKQD
-                ) * scale
 
         grad_q_BKGRD = torch.cat([_unfold(g, num_groups) for g in grad_q_chunks], dim=3)
-        grad_q_BHRD = grad_q_BKGRD.reshape(q_BHRD.shape).to(q_BHRD.dtype)
-        assert grad_v_branch_BKRD.shape[-1] == value_dim
+        grad_q_BHRD = (grad_q_BKGRD.reshape(q_BHRD.shape) * scale).to(q_BHRD.dtype)
         return (
             grad_q_BHRD,
-            grad_k_branch_BKRD.to(k_branch_BKRD.dtype),
-            grad_v_branch_BKRD.to(v_branch_BKRD.dtype),
+            grad_k_KBRD.transpose(0, 1).to(k_branch_BKRD.dtype),
+            grad_v_KBRV.transpose(0, 1).to(v_branch_BKRD.dtype),
             None,
             None,
             None,

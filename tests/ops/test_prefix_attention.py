@@ -275,8 +275,9 @@ def test_nothing_saved_for_backward_grows_with_prefix_length():
     assert max(long) <= 160, f"saved a tensor of {max(long)} elements for a 5-token branch"
 
 
-def test_prefix_tensors_are_bitwise_unchanged_after_forward_and_backward():
-    inputs = _make_inputs(3, 4, 2, 17, 63, 8, 12)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefix_tensors_are_bitwise_unchanged_after_forward_and_backward(batch):
+    inputs = _make_inputs(batch, 4, 2, 17, 63, 8, 12)
     # The state stores one [L, T, K, D] buffer per kind; a layer's prefix is a view into it.
     k_state_LTKD = torch.stack([inputs["k_prefix_TKD"]] * 3)
     v_state_LTKD = torch.stack([inputs["v_prefix_TKD"]] * 3)
@@ -284,6 +285,21 @@ def test_prefix_tensors_are_bitwise_unchanged_after_forward_and_backward():
     view = dict(inputs, k_prefix_TKD=k_state_LTKD[1], v_prefix_TKD=v_state_LTKD[1])
     _fast_run(view, chunk_size=7)
     assert torch.equal(k_state_LTKD, k_before) and torch.equal(v_state_LTKD, v_before)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_branch_inputs_are_bitwise_unchanged_after_forward_and_backward(batch):
+    # With B = 1 and fp32 the op's internal layouts can alias the inputs: it must not write them.
+    inputs = _make_inputs(batch, 4, 2, 17, 63, 8, 12)
+    names = ("q_BHRD", "k_branch_BKRD", "v_branch_BKRD", "grad_out_BHRV")
+    before = {n: inputs[n].clone() for n in names}
+    q, kb, vb = (inputs[n].requires_grad_() for n in names[:3])
+    out = prefix_cached_attention(
+        q, kb, vb, inputs["k_prefix_TKD"], inputs["v_prefix_TKD"], scale=0.3, chunk_size=7
+    )
+    out.backward(inputs["grad_out_BHRV"])
+    for n in names:
+        assert torch.equal(inputs[n].detach(), before[n]), f"{n} was written in place"
 
 
 def test_non_contiguous_prefix_and_query_views_match_naive():
