@@ -467,6 +467,14 @@ def generate_haystack_task(config: HaystackTaskConfig, tokenizer) -> TaskExample
     """
     rng = np.random.default_rng(config.seed)
     draft = _Draft(config, rng)
+    # Drawn before anything that depends on token lengths: keys, values and needle depths are
+    # the same for every tokenizer; only the filler layout differs.
+    n_records = config.num_needle_records
+    depths = (
+        np.asarray(config.needle_depths, dtype=np.float64)
+        if config.needle_depths is not None
+        else rng.random(n_records)
+    )
 
     # Piece table: prose [0, F), distractors [F, F+D), then header, needles, question.
     texts: list[str] = list(FILLER_LINES) + draft.distractor_texts
@@ -498,12 +506,6 @@ def generate_haystack_task(config: HaystackTaskConfig, tokenizer) -> TaskExample
     body_N = _draw_body(rng, budget, lengths_K, prose_K, distractor_K, config.distractor_fraction)
 
     # Needles go to the body boundary nearest their depth (in body tokens).
-    n_records = config.num_needle_records
-    depths = (
-        np.asarray(config.needle_depths, dtype=np.float64)
-        if config.needle_depths is not None
-        else rng.random(n_records)
-    )
     body_ends = np.concatenate([[0], np.cumsum(lengths_K[body_N])])
     targets = depths * budget
     right = np.clip(np.searchsorted(body_ends, targets), 0, body_N.size)

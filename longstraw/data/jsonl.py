@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Container, Iterable, Iterator
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 TokenId = Annotated[int, Field(ge=0)]
+
+_LINE_1 = re.compile(r" at line 1 column")
 
 # A sampler's log-probability is <= 0; allow fp rounding of an almost-certain token.
 _MAX_LOGPROB = 1e-3
@@ -109,7 +112,9 @@ def _field_of(error: dict[str, Any], model: type[BaseModel]) -> str | None:
 def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
     kind = error.get("type")
     if kind == "json_invalid":
-        return f"invalid JSON ({error.get('ctx', {}).get('error', error['msg'])})"
+        detail = str(error.get("ctx", {}).get("error", error["msg"]))
+        # The record is one line, so its "line 1" is the file's line already named.
+        return f"invalid JSON ({_LINE_1.sub(' at column', detail)})"
     if kind == "model_type":
         return "each line must be a JSON object"
     if kind == "extra_forbidden":
@@ -124,7 +129,7 @@ def _read_jsonl(path: str | os.PathLike, model: type[_Record]) -> Iterator[tuple
             if not line.strip():
                 continue
             try:
-                yield line_no, model.model_validate_json(line)
+                yield line_no, model.model_validate_json(line.strip())
             except ValidationError as exc:
                 error = exc.errors()[0]
                 raise DataFormatError(

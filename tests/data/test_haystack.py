@@ -31,7 +31,7 @@ SMALL_VARIANTS = {
 }
 
 
-def train_byte_level_bpe(add_prefix_space: bool = False) -> Tokenizer:
+def train_byte_level_bpe(add_prefix_space: bool = False, vocab_size: int = 700) -> Tokenizer:
     """A small real byte-level BPE trained on a few hundred generated lines (no download)."""
     rng = np.random.default_rng(42)
     words = [
@@ -76,7 +76,7 @@ def train_byte_level_bpe(add_prefix_space: bool = False) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=700,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -166,6 +166,19 @@ def test_answer_follows_from_the_decoded_prompt(tokenizer, variant, seed):
     assert expected == example.metadata["values"]
     assert example.answer == ", ".join(expected)
     assert decode(tokenizer, example.answer_ids) == " " + example.answer
+
+
+def test_keys_values_and_depths_do_not_depend_on_the_tokenizer(tokenizer):
+    coarse = train_byte_level_bpe(vocab_size=300)
+    config = HaystackTaskConfig(variant="multi_hop", num_hops=3, num_prompt_tokens=10_001)
+    a = generate_haystack_task(config, tokenizer)
+    b = generate_haystack_task(config, coarse)
+    assert a.prompt_ids.tobytes() != b.prompt_ids.tobytes()
+    assert (a.answer, a.metadata["asked_keys"]) == (b.answer, b.metadata["asked_keys"])
+    for x, y in zip(a.metadata["needles"], b.metadata["needles"], strict=True):
+        assert x["text"] == y["text"]
+        # Same requested depth; each lands on a line boundary (< 40 tokens away) in its body.
+        assert abs(x["depth"] - y["depth"]) < 2 * 40 / 10_001 + 0.01, (x, y)
 
 
 def test_asked_keys_appear_only_in_their_record_and_the_question(tokenizer):
