@@ -327,3 +327,14 @@ def test_registry_dispatches_on_config_type_and_examples_round_trip_through_json
     assert record.prompt_ids == example.prompt_ids.tolist()
     assert record.metadata == json.loads(json.dumps(example.metadata))
     assert record.answer == example.answer and record.reward == "haystack_exact"
+
+
+def test_blockwise_gather_matches_naive_concatenation_across_blocks(tokenizer):
+    # > 65,536 lines, so the gather crosses its block boundary.
+    config = HaystackTaskConfig(variant="kv_retrieval", num_prompt_tokens=1_500_001)
+    example = generate_haystack_task(config, tokenizer)
+    assert example.piece_sequence.size > 1 << 16
+    ids_K = [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(example.piece_texts)]
+    naive = np.concatenate([ids_K[k] for k in example.piece_sequence.tolist()])
+    mismatches = np.flatnonzero(naive != example.prompt_ids)
+    assert naive.shape == example.prompt_ids.shape and mismatches.size == 0, mismatches[:10]
