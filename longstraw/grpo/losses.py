@@ -345,6 +345,16 @@ def sequence_weights(
     return weights
 
 
+def loss_mask(mask_T: Tensor, is_truncated: bool | Tensor, cfg: GRPOConfig) -> Tensor:
+    """The mask the loss uses: `mask_T` [..., T], zeroed for truncated completions when
+    `cfg.mask_truncated_completions` (as TRL). `is_truncated` is a bool or [...] bools. Compute
+    the completion lengths for `sequence_weights` from this mask, as TRL's normalisers do."""
+    if not cfg.mask_truncated_completions:
+        return mask_T
+    keep = ~torch.as_tensor(is_truncated, dtype=torch.bool, device=mask_T.device)
+    return mask_T * keep.unsqueeze(-1).to(mask_T.dtype)
+
+
 # --- per-branch and batched loss ---------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from longstraw.grpo.losses import (
     branch_loss,
     get_loss,
     group_loss,
+    loss_mask,
     reduce_stats,
     register_loss,
     sequence_weights,
@@ -239,10 +240,19 @@ def test_branch_gradients_sum_to_batched_gradient(loss_type, beta, level, eps_hi
         assert getattr(br_stats, name) == pytest.approx(getattr(ref_stats, name), rel=1e-12), name
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_branch_gradients_match_batched_in_fp32(loss_type):
+@pytest.mark.parametrize(
+    ("loss_type", "level"), list(itertools.product(LOSS_TYPES, ["token", "sequence"]))
+)
+def test_branch_gradients_match_batched_in_fp32(loss_type, level):
+    # Measured: loss |diff| <= 3e-8, gradient max |diff| <= 2e-9 (relative 6e-8).
     lengths = [63, 17, 40, 1, 29, 63, 8]
-    cfg = GRPOConfig(loss_type=loss_type, beta=0.04, epsilon_high=0.28, max_completion_length=63)
+    cfg = GRPOConfig(
+        loss_type=loss_type,
+        beta=0.04,
+        epsilon_high=0.28,
+        max_completion_length=63,
+        importance_sampling_level=level,
+    )
     logp, old, ref, adv, mask = _random_batch(lengths, torch.float32)
     leaf = logp.clone().requires_grad_(True)
     ref_loss, _ = group_loss(leaf, old, adv, mask, cfg, ref, num_items_in_batch=500)
@@ -364,3 +374,12 @@ def test_loss_registry_lists_names_and_accepts_new_types():
             register_loss("test_sum_only")(lambda *a, **k: None)
     finally:
         del LOSSES["test_sum_only"]
+
+
+def test_truncated_completions_are_masked_only_when_configured():
+    mask = torch.ones(3, 4)
+    truncated = torch.tensor([False, True, False])
+    assert torch.equal(loss_mask(mask, truncated, GRPOConfig()), mask)
+    masked = loss_mask(mask, truncated, GRPOConfig(mask_truncated_completions=True))
+    assert masked.sum(-1).tolist() == [4.0, 0.0, 4.0]
+    assert loss_mask(mask[0], True, GRPOConfig(mask_truncated_completions=True)).sum() == 0
