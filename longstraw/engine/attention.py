@@ -1,0 +1,78 @@
+"""The attention function LongStraw registers with transformers, and the switch that selects it.
+
+transformers calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask,
+scaling=..., **kwargs)` after the cache has handed back this forward's K/V. Extra keyword
+arguments given to `model(...)` reach this function, so the engine passes its `StateCache` as
+`longstraw_cache` and the function finds the prefix of `module.layer_idx` there: a log-sum-exp
+merge of a prefix partial attention and a causal branch partial attention, no prefix copy.
+Registered under a name with no mask function, so transformers builds no [S, T] mask at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from longstraw.ops.decode_attention import decode_attention
+from longstraw.ops.prefix_attention import prefix_cached_attention
+
+ATTENTION_NAME = "longstraw_prefix"
+CACHE_KWARG = "longstraw_cache"
+# Prefix keys per attention chunk: bounds the score block to [B, H, R, 1024] during replay.
+PREFIX_CHUNK_TOKENS = 1024
+
+
+def longstraw_attention(
+    module: torch.nn.Module,
+    query_BHSD: torch.Tensor,
+    key_BKSD: torch.Tensor,
+    value_BKSD: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} needs `{CACHE_KWARG}=` in the forward call; "
+            "run the model through longstraw.engine, or switch the model back to 'sdpa'"
+        )
+    layer = cache.layers[module.layer_idx]
+    scale = scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5
+    if key_BKSD.shape[2] == query_BHSD.shape[2]:
+        out_BHSD = prefix_cached_attention(
+            query_BHSD,
+            key_BKSD,
+            value_BKSD,
+            layer.prefix_k_TKD,
+            layer.prefix_v_TKD,
+            scale=scale,
+            chunk_size=PREFIX_CHUNK_TOKENS,
+            prefix_grad_k_TKD=layer.grad_k_TKD,
+            prefix_grad_v_TKD=layer.grad_v_TKD,
+        )
+    else:
+        # Decoding: a few new queries against a longer branch overlay (no autograd).
+        out_BHSD = decode_attention(
+            query_BHSD, key_BKSD, value_BKSD, layer.prefix_k_TKD, layer.prefix_v_TKD, scale=scale
+        )
+    return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, longstraw_attention)
+
+
+@contextlib.contextmanager
+def prefix_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
+    """Run `model`'s attention layers through LongStraw's prefix attention inside the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,146 @@
+"""Cache objects that let an unmodified transformers model read and write LongStraw's prompt state.
+
+transformers' own cache layers append with `torch.cat` (a P-sized copy per layer per branch) and
+write linear-attention state in place with `.copy_` (which corrupts the prompt state under
+autograd; see NOTES.md). These layers never do either: full-attention layers hand the model only
+the new tokens' K/V and keep a *view* of the prefix for the attention function; linear-attention
+layers rebind their conv tail and recurrent state to new tensors instead of writing into them.
+
+What happens to the new tokens' state is a callback (`on_update`): prefill writes it into the
+preallocated state, the exact sweep captures it for its backward, replay ignores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class PrefixAttentionLayer:
+    """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V."""
+
+    is_linear = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        prefix_k_TKD: torch.Tensor,
+        prefix_v_TKD: torch.Tensor,
+        *,
+        grad_k_TKD: torch.Tensor | None = None,
+        grad_v_TKD: torch.Tensor | None = None,
+        on_update: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        keep_branch: bool = False,
+    ):
+        self.prefix_k_TKD = prefix_k_TKD
+        self.prefix_v_TKD = prefix_v_TKD
+        # fp32 cotangent buffers the attention backward adds dK/dV of the prefix into (exact mode).
+        self.grad_k_TKD = grad_k_TKD
+        self.grad_v_TKD = grad_v_TKD
+        self.on_update = on_update
+        # Decoding keeps the branch's own K/V between steps (a small overlay, never the prefix).
+        self.keep_branch = keep_branch
+        self.branch_k_BKRD: torch.Tensor | None = None
+        self.branch_v_BKRD: torch.Tensor | None = None
+
+    def update(
+        self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.on_update is not None:
+            self.on_update(k_BKSD, v_BKSD)
+        if not self.keep_branch:
+            return k_BKSD, v_BKSD
+        if self.branch_k_BKRD is not None:
+            k_BKSD = torch.cat([self.branch_k_BKRD, k_BKSD], dim=2)
+            v_BKSD = torch.cat([self.branch_v_BKRD, v_BKSD], dim=2)
+        self.branch_k_BKRD, self.branch_v_BKRD = k_BKSD, v_BKSD
+        return k_BKSD, v_BKSD
+
+    def branch_length(self) -> int:
+        return 0 if self.branch_k_BKRD is None else self.branch_k_BKRD.shape[2]
+
+
+class ForkedLinearAttentionLayer:
+    """One Gated DeltaNet layer whose state is rebound, never written: a fork of the prompt state."""
+
+    is_linear = True
+    is_sliding = False
+
+    def __init__(
+        self,
+        conv_tail_BCW: torch.Tensor,
+        recurrent_BHKV: torch.Tensor,
+        *,
+        on_conv: Callable[[torch.Tensor], None] | None = None,
+        on_recurrent: Callable[[torch.Tensor], None] | None = None,
+    ):
+        self.conv_tail_BCW = conv_tail_BCW
+        self.recurrent_BHKV = recurrent_BHKV
+        self.on_conv = on_conv
+        self.on_recurrent = on_recurrent
+
+    def update_conv_state(self, x_BCS: torch.Tensor) -> torch.Tensor:
+        """Return [tail ; x] so the model's causal conv sees its left context; rebind the tail."""
+        tail = self.conv_tail_BCW.to(x_BCS.dtype).expand(x_BCS.shape[0], -1, -1)
+        full_BCX = torch.cat([tail, x_BCS], dim=-1)
+        width = self.conv_tail_BCW.shape[-1]
+        self.conv_tail_BCW = full_BCX[..., full_BCX.shape[-1] - width :]
+        if self.on_conv is not None:
+            self.on_conv(self.conv_tail_BCW)
+        return full_BCX
+
+    def update_recurrent_state(self, recurrent_BHKV: torch.Tensor) -> torch.Tensor:
+        self.recurrent_BHKV = recurrent_BHKV
+        if self.on_recurrent is not None:
+            self.on_recurrent(recurrent_BHKV)
+        return recurrent_BHKV
+
+
+class StateCache(Cache):
+    """A transformers `Cache` over LongStraw layers, passed to the model as `cache=`.
+
+    `position_offset` is where this forward's tokens start; the engine always passes explicit
+    `position_ids`, so it only answers `get_seq_length` for code that asks.
+    """
+
+    def __init__(self, layers: list, *, position_offset: int):
+        super().__init__(layers=layers)
+        self.position_offset = position_offset
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.layers[layer_idx].conv_tail_BCW
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self.layers[layer_idx].update_conv_state(conv_states)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.layers[layer_idx].recurrent_BHKV
+
+    def update_recurrent_state(
+        self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs
+    ):
+        return self.layers[layer_idx].update_recurrent_state(recurrent_states)
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        # True keeps Gated DeltaNet off its 1-token `causal_conv1d_update`, which writes the conv
+        # state in place; every length then goes through `update_conv_state`, which rebinds.
+        return True
+
+    def has_previous_state(
+        self, layer_idx: int | None = None, state_idx: int | None = None
+    ) -> bool:
+        return True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.position_offset
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.position_offset + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.position_offset

@@ -1,0 +1,245 @@
+"""One GRPO group's gradient: prefill once, replay each branch with autograd, (exact) sweep.
+
+The live autograd graph is one short branch at a time, so peak memory does not grow with the
+group size G. Each branch's share of the loss uses a weight fixed before replay from the whole
+group's token counts (`longstraw.grpo.losses.sequence_weights`), so the per-branch gradients sum
+to the gradient of the group's loss computed at once.
+
+Gradients are drained after every backward into fp32 accumulators (bf16 models keep fp32
+gradients: summing 256 bf16 contributions loses 2.5e-2 relative, fp32 3.8e-7). The function
+starts from zeroed accumulators and never adds into a buffer it did not zero, then either adds
+its contribution to `param.grad` or into a caller's `GradBuffer` — so a retried call cannot
+double-count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.engine.prefill import prefill
+from longstraw.engine.replay import PromptCotangent, branch_logprobs
+from longstraw.engine.state import PrefixState
+from longstraw.engine.sweep import sweep_prompt_shards
+from longstraw.engine.validation import as_token_tensor
+from longstraw.grpo.losses import branch_loss, reduce_stats, sequence_weights
+from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.results import GroupStats, StageSeconds
+
+PromptGrad = Literal["exact", "detached"]
+PROMPT_GRAD_MODES = ("exact", "detached")
+
+
+class GradBuffer:
+    """fp32 gradient accumulators for a model's trainable parameters, by parameter name."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.grads: dict[str, torch.Tensor] = {
+            name: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+
+    def add_(self, other: GradBuffer) -> GradBuffer:
+        for name, grad in other.grads.items():
+            self.grads[name] += grad
+        return self
+
+    def into_param_grads(self, model: PreTrainedModel) -> None:
+        """Add these gradients to each parameter's `.grad` (cast to the parameter's dtype)."""
+        for name, p in model.named_parameters():
+            if name in self.grads:
+                grad = self.grads[name].to(p.dtype)
+                p.grad = grad if p.grad is None else p.grad + grad
+
+
+def _drain_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer) -> None:
+    for name, p in params:
+        if p.grad is not None:
+            buffer.grads[name] += p.grad.float()
+            p.grad = None
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _per_branch(values, num: int, what: str) -> list:
+    if values is None:
+        return [None] * num
+    if len(values) != num:
+        raise ValueError(
+            f"{what} has {len(values)} entries but there are {num} responses; pass one per response"
+        )
+    return list(values)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def accumulate_group_gradients(
+    model: PreTrainedModel,
+    prompt: PrefixState | torch.Tensor | Sequence[int],
+    responses: Sequence[torch.Tensor | Sequence[int]],
+    advantages: torch.Tensor | Sequence[float],
+    loss_config: GRPOConfig,
+    *,
+    shard_tokens: int,
+    prompt_grad: PromptGrad = "exact",
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    num_items_in_batch: float | None = None,
+    num_sequences_in_batch: int | None = None,
+    grad_buffer: GradBuffer | None = None,
+) -> GroupStats:
+    """Accumulate one group's GRPO gradient, replaying one branch at a time.
+
+    `prompt` is prompt ids or the `PrefixState` rollout already computed (never prefill twice).
+    `responses` [G] token ids; `advantages` [G]; `old_logprobs` / `ref_logprobs` [G][R_i]
+    (old defaults to the current log-probs, detached, as TRL does with one update per rollout;
+    ref is required when beta != 0); `loss_masks` [G][R_i] 1 where a token counts (0 on tool
+    output inside a response). The normaliser comes from `num_items_in_batch` /
+    `num_sequences_in_batch` (default: this group) and is applied once.
+
+    The contribution is added to `param.grad` (fp32 models) or, if given, to `grad_buffer`.
+    `prompt_grad="exact"` adds the gradient through the prompt state (reverse sweep);
+    `"detached"` treats the state as a constant, the capacity mode of the original system.
+    """
+    if prompt_grad not in PROMPT_GRAD_MODES:
+        raise ValueError(f"prompt_grad must be one of {PROMPT_GRAD_MODES}, got {prompt_grad!r}")
+    if not isinstance(loss_config, GRPOConfig):
+        raise ValueError(
+            f"loss_config must be a longstraw.schemas.GRPOConfig, got {type(loss_config).__name__}"
+        )
+    num = len(responses)
+    if num == 0:
+        raise ValueError("responses is empty; a GRPO group needs at least one response")
+    vocab = model.config.get_text_config().vocab_size
+    response_ids = [
+        as_token_tensor(r, what=f"responses[{i}]", vocab_size=vocab)
+        for i, r in enumerate(responses)
+    ]
+    advantages_G = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    if advantages_G.numel() != num:
+        raise ValueError(
+            f"advantages has {advantages_G.numel()} entries for {num} responses; pass one per response"
+        )
+    if not torch.isfinite(advantages_G).all():
+        raise ValueError(f"advantages must be finite, got {advantages_G.tolist()}")
+    olds = _per_branch(old_logprobs, num, "old_logprobs")
+    refs = _per_branch(ref_logprobs, num, "ref_logprobs")
+    masks = _per_branch(loss_masks, num, "loss_masks")
+    if loss_config.beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"beta={loss_config.beta} needs ref_logprobs; pass them or set beta=0.0")
+    for i, (r, old, ref, mask) in enumerate(zip(response_ids, olds, refs, masks, strict=True)):
+        for what, t in (("old_logprobs", old), ("ref_logprobs", ref), ("loss_masks", mask)):
+            if t is not None and len(t) != r.numel():
+                raise ValueError(
+                    f"{what}[{i}] has {len(t)} entries for a {r.numel()}-token response"
+                )
+    masks = [None if m is None else torch.as_tensor(m, dtype=torch.float32) for m in masks]
+    lengths = [
+        int(r.numel()) if m is None else int(m.sum())
+        for r, m in zip(response_ids, masks, strict=True)
+    ]
+    weights_G = sequence_weights(
+        loss_config.loss_type,
+        lengths,
+        loss_config,
+        num_items_in_batch=num_items_in_batch,
+        num_sequences_in_batch=num_sequences_in_batch,
+    )
+
+    seconds = {"prefill": 0.0, "replay": 0.0, "sweep": 0.0}
+    if isinstance(prompt, PrefixState):
+        state = prompt
+    else:
+        started = time.perf_counter()
+        state = prefill(model, prompt, shard_tokens=shard_tokens)
+        seconds["prefill"] = time.perf_counter() - started
+
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    # Set aside gradients accumulated before this call so the contribution is measured alone.
+    stashed = {name: p.grad for name, p in params}
+    for _, p in params:
+        p.grad = None
+    contribution = GradBuffer(model)
+    cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
+
+    branch_losses, branch_logps, branch_stats = [], [], []
+    mode = _deterministic() if prompt_grad == "exact" else contextlib.nullcontext()
+    try:
+        with mode:
+            started = time.perf_counter()
+            for i, response in enumerate(response_ids):
+                logp = branch_logprobs(
+                    model, state, response, temperature=loss_config.temperature, cotangent=cotangent
+                )
+                loss, stats = branch_loss(
+                    logp,
+                    None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype),
+                    float(advantages_G[i]),
+                    weights_G[i],
+                    loss_config,
+                    None if refs[i] is None else torch.as_tensor(refs[i], dtype=logp.dtype),
+                    masks[i],
+                )
+                loss.backward()
+                if cotangent is not None:
+                    logp.longstraw_branch.add_leaf_grads_into(cotangent, state)
+                _drain_into(params, contribution)
+                branch_losses.append(float(loss))
+                branch_logps.append(logp.detach().cpu().tolist())
+                branch_stats.append(stats)
+                del logp, loss
+            seconds["replay"] = time.perf_counter() - started
+            if cotangent is not None:
+                started = time.perf_counter()
+                sweep_prompt_shards(
+                    model, state, cotangent, after_shard=lambda _: _drain_into(params, contribution)
+                )
+                seconds["sweep"] = time.perf_counter() - started
+    finally:
+        for name, p in params:
+            p.grad = stashed[name]
+
+    if grad_buffer is None:
+        contribution.into_param_grads(model)
+    else:
+        grad_buffer.add_(contribution)
+
+    summary = reduce_stats(branch_stats)
+    peak_device = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
+    return GroupStats(
+        prompt_grad=prompt_grad,
+        loss=sum(branch_losses),
+        branch_losses=branch_losses,
+        branch_logprobs=branch_logps,
+        num_tokens=lengths,
+        prompt_tokens=state.prompt_len,
+        num_shards=state.num_shards,
+        kl=summary.kl,
+        clip_ratio_low=summary.clip_ratio_low,
+        clip_ratio_high=summary.clip_ratio_high,
+        clip_ratio_region=summary.clip_ratio_region,
+        seconds=StageSeconds(**seconds),
+        peak_rss_bytes=_peak_rss_bytes(),
+        peak_device_bytes=peak_device,
+        state_bytes=state.state_bytes(),
+        checkpoint_bytes=state.checkpoint_bytes(),
+        cotangent_bytes=0 if cotangent is None else cotangent.nbytes(),
+    )

@@ -1,0 +1,175 @@
+"""Branch replay: the log-probs of a response given the frozen prompt state.
+
+The branch input is `[x_last] + y[:-1]` at positions T .. T+R-1 (T = P - 1): the prompt's last
+token is replayed inside the branch because its output predicts y_1. Full-attention layers read
+the prefix K/V through the prefix attention; Gated DeltaNet layers start from a fork of the final
+recurrent state and conv tail (rebinding, never writing). The state is neither mutated nor copied.
+
+In exact mode the branch also produces the cotangent of the prompt state it read: the prefix
+attention adds dK/dV into `PromptCotangent` buffers, and the forked linear-attention state is a
+leaf whose gradient is added to the cotangent of the final state after the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
+from longstraw.engine.cache import ForkedLinearAttentionLayer, PrefixAttentionLayer, StateCache
+from longstraw.engine.state import PrefixState
+from longstraw.engine.validation import as_token_tensor, check_positions
+
+
+@dataclass
+class PromptCotangent:
+    """fp32 cotangent dS of the prompt state, accumulated over branches (exact mode).
+
+    Only the K/V part grows with the prompt; the linear-attention part is the cotangent of the
+    *final* state (constant size) until the reverse sweep walks it back shard by shard.
+    """
+
+    keys: torch.Tensor | None
+    """[L, T, K, D] fp32."""
+    values: torch.Tensor | None
+    """[L, T, K, Dv] fp32."""
+    conv: torch.Tensor | None
+    """[L, C, W] fp32: cotangent of the conv tail at the current sweep position."""
+    recurrent: torch.Tensor | None
+    """[L, H, Dk, Dv] fp32: cotangent of the recurrent state at the current sweep position."""
+
+    @classmethod
+    def zeros_like_state(cls, state: PrefixState) -> PromptCotangent:
+        def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+        conv = None if state.conv is None else zeros(state.conv[:, 0])
+        recurrent = None if state.recurrent is None else zeros(state.recurrent[:, 0])
+        return cls(zeros(state.keys), zeros(state.values), conv, recurrent)
+
+    def nbytes(self) -> int:
+        tensors = (self.keys, self.values, self.conv, self.recurrent)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class BranchCache:
+    """A `StateCache` for one replay plus the linear-attention leaves it forked (exact mode)."""
+
+    cache: StateCache
+    conv_leaves: dict[int, torch.Tensor]
+    recurrent_leaves: dict[int, torch.Tensor]
+
+    def add_leaf_grads_into(self, cotangent: PromptCotangent, state: PrefixState) -> None:
+        """After backward: add the gradient of the forked final state into the cotangent."""
+        for layer_idx, leaf in self.conv_leaves.items():
+            if leaf.grad is not None:
+                cotangent.conv[state.spec.linear_attention_slot(layer_idx)] += leaf.grad.float()
+        for layer_idx, leaf in self.recurrent_leaves.items():
+            if leaf.grad is not None:
+                cotangent.recurrent[state.spec.linear_attention_slot(layer_idx)] += (
+                    leaf.grad.float()
+                )
+
+
+def branch_cache(
+    state: PrefixState,
+    cotangent: PromptCotangent | None = None,
+    *,
+    keep_branch: bool = False,
+    batch_size: int = 1,
+) -> BranchCache:
+    """Layers that read the whole prompt state; with `cotangent`, collect dS during backward."""
+    spec = state.spec
+    layers: list = [None] * spec.num_layers
+    conv_leaves: dict[int, torch.Tensor] = {}
+    recurrent_leaves: dict[int, torch.Tensor] = {}
+    if spec.full_attention is not None:
+        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+            layers[layer_idx] = PrefixAttentionLayer(
+                state.keys[slot],
+                state.values[slot],
+                grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
+                grad_v_TKD=None if cotangent is None else cotangent.values[slot],
+                keep_branch=keep_branch,
+            )
+    if spec.linear_attention is not None:
+        final = state.num_shards
+        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+            conv = state.conv[slot, final]
+            recurrent = state.recurrent[slot, final]
+            if cotangent is not None:
+                # detach() is a view: the leaf shares the state's storage, nothing is copied.
+                conv = conv.detach().requires_grad_(True)
+                recurrent = recurrent.detach().requires_grad_(True)
+                conv_leaves[layer_idx], recurrent_leaves[layer_idx] = conv, recurrent
+            layers[layer_idx] = ForkedLinearAttentionLayer(
+                conv.unsqueeze(0).expand(batch_size, -1, -1),
+                recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
+            )
+    cache = StateCache(layers, position_offset=state.num_tokens)
+    return BranchCache(cache, conv_leaves, recurrent_leaves)
+
+
+def branch_input_ids(state: PrefixState, response_ids: torch.Tensor) -> torch.Tensor:
+    """[R] the branch's input: the prompt's last token, then the response without its last token."""
+    last = torch.tensor([state.last_token_id], dtype=torch.long, device=response_ids.device)
+    return torch.cat([last, response_ids[:-1]])
+
+
+def replay_logits(
+    model: PreTrainedModel, state: PrefixState, input_ids_BR: torch.Tensor, cache: StateCache
+) -> torch.Tensor:
+    """[B, R, V] logits of a branch forward at positions T .. T+R-1 on `cache`."""
+    batch, length = input_ids_BR.shape
+    offset = cache.position_offset
+    position_ids = torch.arange(offset, offset + length, device=model.device).expand(batch, -1)
+    with prefix_attention_enabled(model):
+        output = model(
+            input_ids=input_ids_BR.to(model.device),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            **{CACHE_KWARG: cache},
+        )
+    return output.logits
+
+
+def token_logprobs(
+    logits_BRV: torch.Tensor, targets_BR: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """[B, R] fp32 log-probs of `targets` under `logits / temperature` (TRL's convention)."""
+    logp = torch.log_softmax(logits_BRV.float() / temperature, dim=-1)
+    return logp.gather(-1, targets_BR.unsqueeze(-1).to(logp.device)).squeeze(-1)
+
+
+def branch_logprobs(
+    model: PreTrainedModel,
+    state: PrefixState,
+    response_ids: torch.Tensor | Sequence[int],
+    *,
+    temperature: float = 1.0,
+    cotangent: PromptCotangent | None = None,
+) -> torch.Tensor:
+    """[R] fp32 log-probs of `response_ids` given the frozen prompt state.
+
+    Works with and without autograd. With `cotangent` (exact mode) the backward of the returned
+    log-probs also adds the prompt-state cotangent into it; call `finish_branch` after backward.
+    """
+    vocab = model.config.get_text_config().vocab_size
+    response = as_token_tensor(response_ids, what="response_ids", vocab_size=vocab).to(model.device)
+    check_positions(state.spec, state.prompt_len + response.numel(), what="prompt + response")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    forked = branch_cache(state, cotangent)
+    logits = replay_logits(
+        model, state, branch_input_ids(state, response).unsqueeze(0), forked.cache
+    )
+    logp = token_logprobs(logits, response.unsqueeze(0), temperature)[0]
+    if cotangent is not None:
+        # Kept on the tensor so the caller can collect the leaves' gradients after backward.
+        logp.longstraw_branch = forked  # type: ignore[attr-defined]
+    return logp

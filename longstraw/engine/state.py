@@ -1,0 +1,143 @@
+"""The frozen prompt state: what survives the prefill of `prompt[:-1]`.
+
+Legend: L layers of one kind, T = P - 1 state tokens, K kv heads, D head dim, S shards,
+C conv channels, W conv tail (kernel - 1), H value heads, Dk/Dv key/value head dims.
+
+Full-attention K/V are preallocated once at their final size and filled shard by shard, so the
+prefill never concatenates or copies them. Linear-attention state is checkpointed at every shard
+boundary: index s is the state at the start of shard s, index S the final state that branches
+start from. Checkpoints live beside the model (CPU here) and are reported by `checkpoint_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.models.adapters import StateSpec
+
+
+def shard_bounds(num_tokens: int, shard_tokens: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each prefill shard over `num_tokens` positions; the last may be shorter."""
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    return tuple(
+        (start, min(start + shard_tokens, num_tokens))
+        for start in range(0, num_tokens, shard_tokens)
+    )
+
+
+@dataclass
+class PrefixState:
+    """Per-layer state of a prompt's first P - 1 tokens, computed once without autograd."""
+
+    spec: StateSpec
+    prompt_ids: torch.Tensor
+    """[P] int64 prompt tokens: the reverse sweep recomputes shards from them (8 bytes/token)."""
+    shard_tokens: int
+    bounds: tuple[tuple[int, int], ...]
+    keys: torch.Tensor | None
+    """[L, T, K, D] full-attention keys after RoPE and k-norm, model dtype."""
+    values: torch.Tensor | None
+    """[L, T, K, Dv] full-attention values, model dtype."""
+    conv: torch.Tensor | None
+    """[L, S + 1, C, W] conv tails at every shard start and the end, model dtype."""
+    recurrent: torch.Tensor | None
+    """[L, S + 1, H, Dk, Dv] Gated DeltaNet recurrent state at every shard start and the end, fp32."""
+
+    @property
+    def prompt_len(self) -> int:
+        """P: tokens in the prompt. The state covers positions [0, P - 1)."""
+        return self.prompt_ids.numel()
+
+    @property
+    def last_token_id(self) -> int:
+        """The prompt's last token, replayed inside every branch (its output predicts y_1)."""
+        return int(self.prompt_ids[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len - 1
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds)
+
+    @classmethod
+    def allocate(
+        cls,
+        spec: StateSpec,
+        *,
+        prompt_ids: torch.Tensor,
+        shard_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> PrefixState:
+        num_tokens = prompt_ids.numel() - 1
+        bounds = shard_bounds(num_tokens, shard_tokens)
+        keys = values = conv = recurrent = None
+        if spec.full_attention is not None:
+            fa = spec.full_attention
+            layers = len(fa.layer_indices)
+            # torch.empty: every position is written by exactly one shard before it is read.
+            keys = torch.empty(
+                layers, num_tokens, fa.num_kv_heads, fa.head_dim, dtype=dtype, device=device
+            )
+            values = torch.empty(
+                layers, num_tokens, fa.num_kv_heads, fa.value_head_dim, dtype=dtype, device=device
+            )
+        if spec.linear_attention is not None:
+            la = spec.linear_attention
+            layers = len(la.layer_indices)
+            # Index 0 is the zero state a sequence starts from (what transformers uses without a cache).
+            conv = torch.zeros(
+                layers, len(bounds) + 1, la.conv_dim, la.conv_tail, dtype=dtype, device=device
+            )
+            recurrent = torch.zeros(
+                layers,
+                len(bounds) + 1,
+                la.num_value_heads,
+                la.key_head_dim,
+                la.value_head_dim,
+                dtype=torch.float32,
+                device=device,
+            )
+        return cls(spec, prompt_ids.cpu(), shard_tokens, bounds, keys, values, conv, recurrent)
+
+    def prefix_keys(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
+        """[T', K, D] view of the keys of model layer `layer_idx` before position `end`."""
+        slot = self.spec.full_attention_slot(layer_idx)
+        return self.keys[slot, : self.num_tokens if end is None else end]
+
+    def prefix_values(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
+        slot = self.spec.full_attention_slot(layer_idx)
+        return self.values[slot, : self.num_tokens if end is None else end]
+
+    def conv_at(self, layer_idx: int, shard: int) -> torch.Tensor:
+        """[C, W] conv tail of `layer_idx` at the start of `shard` (shard == S: the final tail)."""
+        return self.conv[self.spec.linear_attention_slot(layer_idx), shard]
+
+    def recurrent_at(self, layer_idx: int, shard: int) -> torch.Tensor:
+        """[H, Dk, Dv] fp32 recurrent state of `layer_idx` at the start of `shard`."""
+        return self.recurrent[self.spec.linear_attention_slot(layer_idx), shard]
+
+    def state_bytes(self) -> int:
+        """Bytes of the per-token part (K/V): what grows with the prompt."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the per-shard linear-attention checkpoints (host memory)."""
+        return sum(
+            t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The state's arrays by storage name (see DESIGN.md "Storage")."""
+        named = {
+            "full_attention/k": self.keys,
+            "full_attention/v": self.values,
+            "linear_attention/conv": self.conv,
+            "linear_attention/recurrent": self.recurrent,
+        }
+        return {name: tensor for name, tensor in named.items() if tensor is not None}

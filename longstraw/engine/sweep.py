@@ -1,0 +1,119 @@
+"""Exact mode's reverse sweep: push the prompt-state cotangent back through the prefill shards.
+
+After every branch has been replayed, `cotangent` holds dL/dS for the K/V of every prompt
+position (from the branches' attention) and for the final linear-attention state. For shard
+s = last .. first: recompute the shard's forward with autograd, reading the K/V of earlier
+positions from the state (gradient added into their cotangent slice by the prefix attention) and
+starting the Gated DeltaNet layers from the checkpoint at the shard's start (a leaf); check that
+the recomputation reproduced the stored state bitwise; backpropagate the shard's outputs — its
+own K/V with the cotangent of its positions, its end state with the cotangent of the end state —
+into the parameters, earlier K/V and the start state; free the graph.
+
+When shard s is processed, its positions' cotangent is complete: only branches and later shards
+read them, and both have been backpropagated. Memory: the state, its fp32 cotangent, one shard's
+graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.engine.attention import prefix_attention_enabled
+from longstraw.engine.cache import ForkedLinearAttentionLayer, PrefixAttentionLayer, StateCache
+from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.replay import PromptCotangent
+from longstraw.engine.state import PrefixState
+
+
+class StateMismatchError(RuntimeError):
+    """The recomputed shard did not reproduce the stored prompt state bitwise."""
+
+
+def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
+    if not torch.equal(recomputed.detach(), stored):
+        diff = (recomputed.detach().float() - stored.float()).abs()
+        raise StateMismatchError(
+            f"shard {shard}: recomputed {name} differs from the stored prompt state "
+            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
+            "computed with other weights, dtype or kernels: recompute the prefill"
+        )
+
+
+def sweep_prompt_shards(
+    model: PreTrainedModel,
+    state: PrefixState,
+    cotangent: PromptCotangent,
+    *,
+    after_shard: Callable[[int], None] | None = None,
+) -> None:
+    """Backpropagate `cotangent` through every prefill shard, last to first (gradients → .grad)."""
+    spec = state.spec
+    for shard in reversed(range(state.num_shards)):
+        start, end = state.bounds[shard]
+        outputs: list[tuple[str, int, torch.Tensor]] = []
+
+        layers: list = [None] * spec.num_layers
+        if spec.full_attention is not None:
+            for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+
+                def capture_kv(k_BKSD, v_BKSD, slot=slot):
+                    outputs.append(("k", slot, k_BKSD))
+                    outputs.append(("v", slot, v_BKSD))
+
+                layers[layer_idx] = PrefixAttentionLayer(
+                    state.keys[slot, :start],
+                    state.values[slot, :start],
+                    grad_k_TKD=cotangent.keys[slot, :start],
+                    grad_v_TKD=cotangent.values[slot, :start],
+                    on_update=capture_kv,
+                )
+        leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if spec.linear_attention is not None:
+            for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+                conv_leaf = state.conv[slot, shard].detach().requires_grad_(True)
+                recurrent_leaf = state.recurrent[slot, shard].detach().requires_grad_(True)
+                leaves[slot] = (conv_leaf, recurrent_leaf)
+                layers[layer_idx] = ForkedLinearAttentionLayer(
+                    conv_leaf.unsqueeze(0),
+                    recurrent_leaf.unsqueeze(0),
+                    on_conv=lambda t, slot=slot: outputs.append(("conv", slot, t)),
+                    on_recurrent=lambda t, slot=slot: outputs.append(("recurrent", slot, t)),
+                )
+
+        with torch.enable_grad(), prefix_attention_enabled(model):
+            run_shard_forward(
+                model, state.prompt_ids, StateCache(layers, position_offset=start), start, end
+            )
+
+        tensors, grads = [], []
+        for kind, slot, tensor in outputs:
+            if kind == "k":
+                stored, cot = state.keys[slot, start:end], cotangent.keys[slot, start:end]
+                recomputed = tensor[0].transpose(0, 1)
+            elif kind == "v":
+                stored, cot = state.values[slot, start:end], cotangent.values[slot, start:end]
+                recomputed = tensor[0].transpose(0, 1)
+            elif kind == "conv":
+                stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]
+                recomputed = tensor[0]
+            else:
+                stored, cot = state.recurrent[slot, shard + 1], cotangent.recurrent[slot]
+                recomputed = tensor[0]
+            _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
+            if recomputed.requires_grad:
+                tensors.append(recomputed)
+                grads.append(cot.to(recomputed.dtype))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        # The start state of this shard is read by nothing else: its cotangent replaces the end's.
+        for slot, (conv_leaf, recurrent_leaf) in leaves.items():
+            cotangent.conv[slot] = 0.0 if conv_leaf.grad is None else conv_leaf.grad.float()
+            cotangent.recurrent[slot] = (
+                0.0 if recurrent_leaf.grad is None else recurrent_leaf.grad.float()
+            )
+        del outputs, tensors, grads, layers, leaves
+        if after_shard is not None:
+            after_shard(shard)

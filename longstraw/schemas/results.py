@@ -1,0 +1,53 @@
+"""What engine calls and tasks report back: plain numbers, no tensors."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StageSeconds(BaseModel):
+    """Wall-clock seconds per stage of one group's gradient."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill: float = 0.0
+    """Prefill of prompt[:-1] (0 when an existing state was passed in)."""
+    replay: float = 0.0
+    """All branch forwards + backwards."""
+    sweep: float = 0.0
+    """Exact mode's reverse sweep over the prefill shards."""
+
+
+class GroupStats(BaseModel):
+    """Result of `accumulate_group_gradients` for one GRPO group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_grad: str
+    """"exact" or "detached"."""
+    loss: float
+    """Sum of the branches' shares of the loss (the group's contribution to the step loss)."""
+    branch_losses: list[float]
+    """[G] each branch's share."""
+    branch_logprobs: list[list[float]]
+    """[G][R_i] per-token log-probs of each response under the current policy."""
+    num_tokens: list[int]
+    """[G] completion tokens counted by the loss (after loss masks)."""
+    prompt_tokens: int
+    num_shards: int
+    kl: float | None = None
+    """Mean k3 KL to the reference over counted tokens (None when beta = 0)."""
+    clip_ratio_low: float = 0.0
+    clip_ratio_high: float = 0.0
+    clip_ratio_region: float = 0.0
+    seconds: StageSeconds = Field(default_factory=StageSeconds)
+    peak_rss_bytes: int = 0
+    """Peak resident set of this process so far (ru_maxrss): meaningful in a fresh process."""
+    peak_device_bytes: int | None = None
+    """torch.cuda.max_memory_allocated when the model is on CUDA."""
+    state_bytes: int = 0
+    """Per-token prompt state (K/V) held during the step."""
+    checkpoint_bytes: int = 0
+    """Per-shard linear-attention checkpoints (host memory)."""
+    cotangent_bytes: int = 0
+    """fp32 prompt-state cotangent dS (exact mode; 0 in detached mode)."""
