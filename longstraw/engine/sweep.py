@@ -50,70 +50,77 @@ def sweep_prompt_shards(
     after_shard: Callable[[int], None] | None = None,
 ) -> None:
     """Backpropagate `cotangent` through every prefill shard, last to first (gradients → .grad)."""
-    spec = state.spec
     for shard in reversed(range(state.num_shards)):
-        start, end = state.bounds[shard]
-        outputs: list[tuple[str, int, torch.Tensor]] = []
-
-        layers: list = [None] * spec.num_layers
-        if spec.full_attention is not None:
-            for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-
-                def capture_kv(k_BKSD, v_BKSD, slot=slot):
-                    outputs.append(("k", slot, k_BKSD))
-                    outputs.append(("v", slot, v_BKSD))
-
-                layers[layer_idx] = PrefixAttentionLayer(
-                    state.keys[slot, :start],
-                    state.values[slot, :start],
-                    grad_k_TKD=cotangent.keys[slot, :start],
-                    grad_v_TKD=cotangent.values[slot, :start],
-                    on_update=capture_kv,
-                )
-        leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if spec.linear_attention is not None:
-            for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-                conv_leaf = state.conv[slot, shard].detach().requires_grad_(True)
-                recurrent_leaf = state.recurrent[slot, shard].detach().requires_grad_(True)
-                leaves[slot] = (conv_leaf, recurrent_leaf)
-                layers[layer_idx] = ForkedLinearAttentionLayer(
-                    conv_leaf.unsqueeze(0),
-                    recurrent_leaf.unsqueeze(0),
-                    on_conv=lambda t, slot=slot: outputs.append(("conv", slot, t)),
-                    on_recurrent=lambda t, slot=slot: outputs.append(("recurrent", slot, t)),
-                )
-
-        with torch.enable_grad(), prefix_attention_enabled(model):
-            run_shard_forward(
-                model, state.prompt_ids, StateCache(layers, position_offset=start), start, end
-            )
-
-        tensors, grads = [], []
-        for kind, slot, tensor in outputs:
-            if kind == "k":
-                stored, cot = state.keys[slot, start:end], cotangent.keys[slot, start:end]
-                recomputed = tensor[0].transpose(0, 1)
-            elif kind == "v":
-                stored, cot = state.values[slot, start:end], cotangent.values[slot, start:end]
-                recomputed = tensor[0].transpose(0, 1)
-            elif kind == "conv":
-                stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]
-                recomputed = tensor[0]
-            else:
-                stored, cot = state.recurrent[slot, shard + 1], cotangent.recurrent[slot]
-                recomputed = tensor[0]
-            _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
-            if recomputed.requires_grad:
-                tensors.append(recomputed)
-                grads.append(cot.to(recomputed.dtype))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        # The start state of this shard is read by nothing else: its cotangent replaces the end's.
-        for slot, (conv_leaf, recurrent_leaf) in leaves.items():
-            cotangent.conv[slot] = 0.0 if conv_leaf.grad is None else conv_leaf.grad.float()
-            cotangent.recurrent[slot] = (
-                0.0 if recurrent_leaf.grad is None else recurrent_leaf.grad.float()
-            )
-        del outputs, tensors, grads, layers, leaves
+        _sweep_shard(model, state, cotangent, shard)
         if after_shard is not None:
             after_shard(shard)
+
+
+def _sweep_shard(
+    model: PreTrainedModel, state: PrefixState, cotangent: PromptCotangent, shard: int
+) -> None:
+    """Recompute shard `shard` with autograd, check it, and backpropagate its cotangents."""
+    spec = state.spec
+    start, end = state.bounds[shard]
+    outputs: list[tuple[str, int, torch.Tensor]] = []
+
+    def capture(kind: str, slot: int) -> Callable[..., None]:
+        def record(*tensors: torch.Tensor) -> None:
+            kinds = ("k", "v") if kind == "kv" else (kind,)
+            outputs.extend((k, slot, t) for k, t in zip(kinds, tensors, strict=True))
+
+        return record
+
+    layers: list = [None] * spec.num_layers
+    if spec.full_attention is not None:
+        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+            layers[layer_idx] = PrefixAttentionLayer(
+                state.keys[slot, :start],
+                state.values[slot, :start],
+                grad_k_TKD=cotangent.keys[slot, :start],
+                grad_v_TKD=cotangent.values[slot, :start],
+                on_update=capture("kv", slot),
+            )
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if spec.linear_attention is not None:
+        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+            conv_leaf = state.conv[slot, shard].detach().requires_grad_(True)
+            recurrent_leaf = state.recurrent[slot, shard].detach().requires_grad_(True)
+            leaves[slot] = (conv_leaf, recurrent_leaf)
+            layers[layer_idx] = ForkedLinearAttentionLayer(
+                conv_leaf.unsqueeze(0),
+                recurrent_leaf.unsqueeze(0),
+                on_conv=capture("conv", slot),
+                on_recurrent=capture("recurrent", slot),
+            )
+
+    with torch.enable_grad(), prefix_attention_enabled(model):
+        cache = StateCache(layers, position_offset=start)
+        run_shard_forward(model, state.prompt_ids, cache, start, end)
+
+    tensors, grads = [], []
+    for kind, slot, tensor in outputs:
+        if kind == "k":
+            stored, cot = state.keys[slot, start:end], cotangent.keys[slot, start:end]
+            recomputed = tensor[0].transpose(0, 1)
+        elif kind == "v":
+            stored, cot = state.values[slot, start:end], cotangent.values[slot, start:end]
+            recomputed = tensor[0].transpose(0, 1)
+        elif kind == "conv":
+            stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]
+            recomputed = tensor[0]
+        else:
+            stored, cot = state.recurrent[slot, shard + 1], cotangent.recurrent[slot]
+            recomputed = tensor[0]
+        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
+        if recomputed.requires_grad:
+            tensors.append(recomputed)
+            grads.append(cot.to(recomputed.dtype))
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+    # The start state of this shard is read by nothing else: its cotangent replaces the end's.
+    for slot, (conv_leaf, recurrent_leaf) in leaves.items():
+        cotangent.conv[slot] = 0.0 if conv_leaf.grad is None else conv_leaf.grad.float()
+        cotangent.recurrent[slot] = (
+            0.0 if recurrent_leaf.grad is None else recurrent_leaf.grad.float()
+        )
