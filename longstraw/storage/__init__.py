@@ -5,7 +5,7 @@ open_state_writer / open_persisting_writer (write, resume, commit), open_committ
 verify_state, list_states / collect_garbage, and the `state` CLI sub-app in storage.cli.
 """
 
-from longstraw.storage.background import BackgroundStateWriter
+from longstraw.storage.background import BackgroundStateWriter, open_persisting_writer
 from longstraw.storage.cache import StateCache, default_state_cache
 from longstraw.storage.errors import (
     ChunkChecksumError,
@@ -37,6 +37,7 @@ __all__ = [
     "default_state_cache",
     "naive_read_committed_state",
     "open_committed_state",
+    "open_persisting_writer",
     "open_state_writer",
     "read_manifest",
     "verify_state",

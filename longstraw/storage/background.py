@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from longstraw.schemas.storage import PrefixStateRef
+from longstraw.schemas.storage import PrefixStateRef, StateKey, StateLayout, StorageConfig
 from longstraw.storage.cache import StateCache, default_state_cache
 from longstraw.storage.writer import ShardData, StateWriter
 
@@ -144,3 +144,22 @@ class BackgroundStateWriter:
         else:  # do not mask the caller's exception with ours
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def open_persisting_writer(
+    config: StorageConfig, key: StateKey, layout: StateLayout, *, resume: bool = False
+) -> StateWriter | BackgroundStateWriter:
+    """The writer config.persist_mode asks for: synchronous (StateWriter) or background.
+
+    persist_mode="off" keeps the state in process memory only; it has no writer, so this raises:
+    commit nothing and pass tensors around in-process instead.
+    """
+    if config.persist_mode == "off":
+        raise ValueError(
+            "persist_mode='off' persists nothing: do not open a writer (set persist_mode to "
+            "'background' or 'synchronous' to persist the prompt state)"
+        )
+    inner = StateWriter(config, key, layout, resume=resume)
+    if config.persist_mode == "synchronous":
+        return inner
+    return BackgroundStateWriter(inner, config.max_inflight_bytes)

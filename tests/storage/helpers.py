@@ -83,8 +83,26 @@ def run_prefill(
             back = writer.read_shard(k)
             start, end = layout.shard_range(k)
             for name, t in back.token_slices.items():
-                assert torch.equal(t, state[name][:, start:end]), f"shard {k} {name} read back differs"
+                assert torch.equal(t, state[name][:, start:end]), (
+                    f"shard {k} {name} read back differs"
+                )
             continue
         writer.write_shard(k, *shard_args(layout, state, k))
         written.append(k)
     return written
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Same names, shapes, dtypes and bits; prints max_diff/mean_diff of the first mismatch."""
+    assert set(got) == set(want), f"arrays {sorted(got)} != {sorted(want)}"
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{name}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        )
+        ints = {2: torch.int16, 4: torch.int32}[w.element_size()]
+        if not torch.equal(g.contiguous().view(ints), w.contiguous().view(ints)):
+            diff = (g.float() - w.float()).abs()
+            raise AssertionError(
+                f"{name}: bits differ, max_diff={diff.max():.3e} mean_diff={diff.mean():.3e}"
+            )
