@@ -149,6 +149,13 @@ def _kv_head_major(x_BKRX: Tensor, dtype) -> Tensor:
     return x_BKRX.transpose(0, 1).to(dtype).contiguous()
 
 
+def _add_product(acc_KXY: Tensor | None, a_KXZ: Tensor, b_KZY: Tensor) -> Tensor:
+    """acc + a @ b with the add fused into the GEMM; the first product needs no zero-filled acc."""
+    if acc_KXY is None:
+        return torch.bmm(a_KXZ, b_KZY)
+    return acc_KXY.baddbmm_(a_KXZ, b_KZY)
+
+
 class _PrefixCachedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -242,8 +249,7 @@ class _PrefixCachedAttention(torch.autograd.Function):
             key_end = min(key_start + chunk_size, prefix_len)
             k_KCD = k_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
             v_KCV = v_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
-            grad_k_KCD = torch.zeros_like(k_KCD) if grad_k_TKD is not None else None
-            grad_v_KCV = torch.zeros_like(v_KCV) if grad_v_TKD is not None else None
+            grad_k_KCD = grad_v_KCV = None
             for i in range(len(chunks)):
                 # Flattening B into the rows sums the shared prefix's gradient over batch rows
                 # and the heads of each kv group inside the bmm.
@@ -256,11 +262,11 @@ class _PrefixCachedAttention(torch.autograd.Function):
                 )
                 grad_scores_KMC.mul_(probs_KMC)
                 # view(), not flatten(): it must fail rather than add into a copy.
-                grad_q_chunks[i].view(q_KMD.shape).add_(grad_scores_KMC @ k_KCD)
-                if grad_v_KCV is not None:
-                    grad_v_KCV.add_(probs_KMC.transpose(-1, -2) @ grad_out_KMV)
-                if grad_k_KCD is not None:
-                    grad_k_KCD.add_(grad_scores_KMC.transpose(-1, -2) @ q_KMD)
+                grad_q_chunks[i].view(q_KMD.shape).baddbmm_(grad_scores_KMC, k_KCD)
+                if grad_v_TKD is not None:
+                    grad_v_KCV = _add_product(grad_v_KCV, probs_KMC.transpose(-1, -2), grad_out_KMV)
+                if grad_k_TKD is not None:
+                    grad_k_KCD = _add_product(grad_k_KCD, grad_scores_KMC.transpose(-1, -2), q_KMD)
             if grad_k_KCD is not None:
                 grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
             if grad_v_KCV is not None:
