@@ -154,3 +154,15 @@ REWARDS: dict[str, Callable[[str, str, dict[str, Any]], float]] = {
     "haystack_partial": haystack_partial,
 }
 """Reward name -> function, for the trainer's registry (`longstraw.grpo.rewards`)."""
+
+
+def _register_builtin_rewards() -> None:
+    from longstraw.grpo.rewards import REWARDS as REWARD_REGISTRY
+    from longstraw.grpo.rewards import register_reward
+
+    for name, fn in REWARDS.items():
+        if name not in REWARD_REGISTRY:
+            register_reward(name)(fn)
+
+
+_register_builtin_rewards()

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from longstraw.models.glm import is_glm, mla_attention_installed
 from longstraw.ops.decode_attention import decode_attention
 from longstraw.ops.prefix_attention import prefix_cached_attention
 
@@ -72,7 +73,10 @@ def prefix_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
+    # GLM-5's attention modules are replaced whole (latent state, DSA selection): models/glm.py.
+    family = mla_attention_installed(model) if is_glm(model) else contextlib.nullcontext()
     try:
-        yield
+        with family:
+            yield
     finally:
         config._attn_implementation = previous

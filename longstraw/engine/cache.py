@@ -98,6 +98,64 @@ class ForkedLinearAttentionLayer:
         return recurrent_BHKV
 
 
+class PrefixMlaLayer:
+    """One MLA layer (GLM-5): read-only prefix latents (views into the state) + this forward's own.
+
+    Read by `longstraw.models.glm`'s attention forward, which replaces transformers' (that one
+    re-expands every cached latent into per-head K/V). `on_update(latent_BSR, rope_BSE,
+    index_key_BSD | None)` sees each forward's new state, like `PrefixAttentionLayer.on_update`.
+    """
+
+    is_linear = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        prefix_latent_TR: torch.Tensor,
+        prefix_rope_TE: torch.Tensor,
+        prefix_index_TD: torch.Tensor | None,
+        *,
+        grad_latent_TR: torch.Tensor | None = None,
+        grad_rope_TE: torch.Tensor | None = None,
+        on_update: Callable[..., None] | None = None,
+        keep_branch: bool = False,
+    ):
+        self.prefix_latent_TR = prefix_latent_TR
+        self.prefix_rope_TE = prefix_rope_TE
+        # None on `shared` indexer layers, which reuse the previous layer's selection.
+        self.prefix_index_TD = prefix_index_TD
+        # fp32 cotangent buffers the latent attention's backward adds into (exact mode). The
+        # indexer key has none: transformers runs the indexer under no_grad.
+        self.grad_latent_TR = grad_latent_TR
+        self.grad_rope_TE = grad_rope_TE
+        self.on_update = on_update
+        self.keep_branch = keep_branch
+        self.branch: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def update(
+        self,
+        latent_BSR: torch.Tensor,
+        rope_BSE: torch.Tensor,
+        index_key_BSD: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Return the branch's latents so far ([B, X, *]: this forward's, or the kept overlay + them)."""
+        if self.on_update is not None:
+            self.on_update(latent_BSR, rope_BSE, index_key_BSD)
+        new = (latent_BSR, rope_BSE, index_key_BSD)
+        if not self.keep_branch:
+            return new
+        if self.branch is not None:
+            new = tuple(
+                None if old is None else torch.cat([old, cur], dim=1)
+                for old, cur in zip(self.branch, new, strict=True)
+            )
+        self.branch = new
+        return new
+
+    def branch_length(self) -> int:
+        return 0 if self.branch is None else self.branch[0].shape[1]
+
+
 class StateCache(Cache):
     """A transformers `Cache` over LongStraw layers, passed to the model as `cache=`.
 

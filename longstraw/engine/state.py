@@ -45,6 +45,12 @@ class PrefixState:
     """[L, S + 1, C, W] conv tails at every shard start and the end, model dtype."""
     recurrent: torch.Tensor | None
     """[L, S + 1, H, Dk, Dv] Gated DeltaNet recurrent state at every shard start and the end, fp32."""
+    latent: torch.Tensor | None = None
+    """[L, T, R] MLA latent after `kv_a_layernorm` (GLM-5), model dtype; nothing decompressed."""
+    rope_key: torch.Tensor | None = None
+    """[L, T, E] MLA shared rope key after RoPE, model dtype."""
+    indexer_key: torch.Tensor | None = None
+    """[L_idx, T, Di] DSA indexer keys of the layers with their own indexer, model dtype."""
 
     @property
     def prompt_len(self) -> int:
@@ -103,7 +109,53 @@ class PrefixState:
                 dtype=torch.float32,
                 device=device,
             )
-        return cls(spec, prompt_ids.cpu(), shard_tokens, bounds, keys, values, conv, recurrent)
+        latent = rope_key = indexer_key = None
+        if spec.mla is not None:
+            mla = spec.mla
+            layers = len(mla.layer_indices)
+            latent = torch.empty(layers, num_tokens, mla.kv_lora_rank, dtype=dtype, device=device)
+            rope_key = torch.empty(layers, num_tokens, mla.rope_dim, dtype=dtype, device=device)
+            indexer_key = torch.empty(
+                len(mla.indexer_layer_indices),
+                num_tokens,
+                mla.index_head_dim,
+                dtype=dtype,
+                device=device,
+            )
+        return cls(
+            spec,
+            prompt_ids.cpu(),
+            shard_tokens,
+            bounds,
+            keys,
+            values,
+            conv,
+            recurrent,
+            latent,
+            rope_key,
+            indexer_key,
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        spec: StateSpec,
+        *,
+        prompt_ids: torch.Tensor,
+        shard_tokens: int,
+        tensors: dict[str, torch.Tensor],
+    ) -> PrefixState:
+        """A state around existing arrays (read back from storage), by their `tensors()` names."""
+        return cls(
+            spec,
+            prompt_ids.cpu(),
+            shard_tokens,
+            shard_bounds(prompt_ids.numel() - 1, shard_tokens),
+            tensors.get("full_attention/k"),
+            tensors.get("full_attention/v"),
+            tensors.get("linear_attention/conv"),
+            tensors.get("linear_attention/recurrent"),
+        )
 
     def prefix_keys(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
         """[T', K, D] view of the keys of model layer `layer_idx` before position `end`."""
@@ -123,8 +175,9 @@ class PrefixState:
         return self.recurrent[self.spec.linear_attention_slot(layer_idx), shard]
 
     def state_bytes(self) -> int:
-        """Bytes of the per-token part (K/V): what grows with the prompt."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+        """Bytes of the per-token part (K/V, MLA latents): what grows with the prompt."""
+        per_token = (self.keys, self.values, self.latent, self.rope_key, self.indexer_key)
+        return sum(t.numel() * t.element_size() for t in per_token if t is not None)
 
     def checkpoint_bytes(self) -> int:
         """Bytes of the per-shard linear-attention checkpoints (host memory)."""
@@ -139,5 +192,8 @@ class PrefixState:
             "full_attention/v": self.values,
             "linear_attention/conv": self.conv,
             "linear_attention/recurrent": self.recurrent,
+            "mla/latent": self.latent,
+            "mla/rope_key": self.rope_key,
+            "mla/indexer_key": self.indexer_key,
         }
         return {name: tensor for name, tensor in named.items() if tensor is not None}

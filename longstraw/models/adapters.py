@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_next",
+    "glm_moe_dsa",
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,24 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """MLA layers (GLM-5): per-token latent, rope key and DSA indexer key, [layer, token, dim]."""
+
+    layer_indices: tuple[int, ...]
+    kv_lora_rank: int
+    """Latent width R (after `kv_a_layernorm`)."""
+    rope_dim: int
+    """Shared rope key width (`qk_rope_head_dim`)."""
+    index_head_dim: int
+    """Indexer key width."""
+    indexer_layer_indices: tuple[int, ...]
+    """Layers with their own indexer (`indexer_types` "full"); `shared` layers reuse a selection."""
+
+    def indexer_slot(self, layer_idx: int) -> int:
+        return self.indexer_layer_indices.index(layer_idx)
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """Everything the engine needs to know about a model's per-layer prompt state."""
 
@@ -51,6 +76,7 @@ class StateSpec:
     linear_attention: LinearAttentionSpec | None
     max_positions: int | None
     """Largest position the model can address, or None when RoPE scaling extends it."""
+    mla: MlaSpec | None = None
 
     def full_attention_slot(self, layer_idx: int) -> int:
         assert self.full_attention is not None
@@ -59,6 +85,10 @@ class StateSpec:
     def linear_attention_slot(self, layer_idx: int) -> int:
         assert self.linear_attention is not None
         return self.linear_attention.layer_indices.index(layer_idx)
+
+    def mla_slot(self, layer_idx: int) -> int:
+        assert self.mla is not None
+        return self.mla.layer_indices.index(layer_idx)
 
 
 def _text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -84,6 +114,17 @@ def state_spec(model_or_config: PreTrainedModel | PretrainedConfig) -> StateSpec
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     num_layers = config.num_hidden_layers
+    if model_type == "glm_moe_dsa":
+        mla = MlaSpec(
+            layer_indices=tuple(range(num_layers)),
+            kv_lora_rank=config.kv_lora_rank,
+            rope_dim=config.qk_rope_head_dim,
+            index_head_dim=config.index_head_dim,
+            indexer_layer_indices=tuple(
+                i for i, kind in enumerate(config.indexer_types) if kind == "full"
+            ),
+        )
+        return StateSpec(model_type, num_layers, None, None, _max_positions(config), mla)
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
     full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
     linear = tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention")

@@ -100,9 +100,11 @@ def chunked_gated_delta_rule(
     (output [B, T, Hv, Dv] in query's dtype, final_state [B, Hv, Dk, Dv] fp32 or None).
 
     Differences from transformers', which do not change the math: a sequence shorter than one
-    chunk is one chunk of its own length (no padding to 64 for a 1-token step); the two
-    triangular solves share one call; the inter-chunk reads `q @ S` run batched after the scan
-    instead of inside it; nothing is assigned into a slice, so autograd sees plain ops.
+    chunk is one chunk of its own length (no padding to 64 for a 1-token step); the UT
+    system's inverse is formed once and applied by matmuls instead of two triangular solves;
+    the inter-chunk reads `q @ S` and the intra-chunk attention run batched after the scan
+    instead of inside it; nothing is assigned into a slice, so autograd sees plain ops. Agrees
+    with transformers' to fp32 rounding (measured ≤ 5.7e-7 abs on unit-scale outputs).
     """
     _check_inputs(query, key, value, g, beta, initial_state, kwargs)
     if chunk_size < 1:
@@ -140,11 +142,17 @@ def chunked_gated_delta_rule(
         .exp()
     )
     k_beta_BHNCK = k_BHNCK * beta_BHNC1
-    # UT transform: (I + strict_lower(diag(beta) K K^T ⊙ decay)) [u | w] = [beta v | beta k e^gcum].
+    # UT transform: with M = I + strict_lower(diag(beta) K K^T ⊙ decay) (unit lower triangular),
+    # u = M^-1 beta v and w = M^-1 beta k e^gcum. M^-1 is formed once by a triangular solve and
+    # applied by matmuls: on CPU a batched bmm beats a batched triangular solve per right-hand
+    # side by 2-3x, forward and backward (C=64, D=128: 0.05 s vs 0.10-0.15 s at T=4096, Hv=4).
     ut_BHNCC = (k_beta_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
-    rhs = torch.cat([v_BHNCV * beta_BHNC1, k_beta_BHNCK * gcum_BHNC.exp().unsqueeze(-1)], dim=-1)
-    uw = torch.linalg.solve_triangular(ut_BHNCC, rhs, upper=False, unitriangular=True)
-    u_BHNCV, w_BHNCK = uw[..., :Dv], uw[..., Dv:]
+    eye_CC = torch.eye(C, dtype=torch.float32, device=v.device)
+    inv_BHNCC = torch.linalg.solve_triangular(
+        ut_BHNCC, eye_CC.expand_as(ut_BHNCC), upper=False, unitriangular=True
+    )
+    u_BHNCV = inv_BHNCC @ (v_BHNCV * beta_BHNC1)
+    w_BHNCK = inv_BHNCC @ (k_beta_BHNCK * gcum_BHNC.exp().unsqueeze(-1))
     attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
 
     # Keys weighted by the decay from each token to the chunk end, for the state update.

@@ -1,8 +1,11 @@
 """Create-if-absent for commit markers: the one primitive the commit protocol relies on.
 
-Local: write a temp file, fsync, then os.link it to the final name; link(2) fails atomically
-if the name exists, so exactly one of any number of racing writers creates it, and a reader
-never sees a partly written file. S3: a PUT with If-None-Match: * (s3fs
+Local: write a temp file, then os.link it to the final name; link(2) fails atomically if the
+name exists, so exactly one of any number of racing writers creates it, and a reader never sees
+a partly written file. No fsync: the protocol guards against writers that die (the page cache
+survives them); after a machine crash a chunk that did not reach the disk is caught by its size
+or sha256 on read. An fsync here made ext4 flush every chunk written before it (data=ordered),
+which capped writes at the disk's speed (170 MB/s measured vs 1.7 GB/s into the page cache). S3: a PUT with If-None-Match: * (s3fs
 pipe_file(mode="create")); the server answers 412 to every writer but the first.
 """
 
@@ -45,21 +48,10 @@ def _create_exclusive_local(path: str, data: bytes) -> bool:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     try:
         os.link(tmp, path)
     except FileExistsError:
         return False
     finally:
         os.unlink(tmp)
-    _fsync_dir(directory)
     return True
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

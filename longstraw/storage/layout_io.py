@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -33,6 +34,27 @@ def place_chunk(
     chunk = np.frombuffer(data, dtype=spec.stored_dtype).reshape(spec.chunk_shape(shard_tokens))
     rl, ra = chunk_region(spec, shard_tokens, digest.index)
     out[rl, ra] = chunk[: rl.stop - rl.start, : ra.stop - ra.start]
+
+
+def chunk_segments(
+    out: np.ndarray, spec: ArraySpec, shard_tokens: int, index: tuple[int, ...]
+) -> list[tuple[memoryview | None, int]]:
+    """A chunk's bytes in C order as destinations in the C-contiguous full array `out`:
+    per chunk layer, the valid rows (one contiguous run of out) then the padding rows (None)."""
+    layers, along = spec.chunk_shape(shard_tokens)[:2]
+    row_bytes = math.prod(spec.shape[2:]) * spec.itemsize
+    rl, ra = chunk_region(spec, shard_tokens, index)
+    valid_rows = ra.stop - ra.start
+    segments: list[tuple[memoryview | None, int]] = []
+    for i in range(layers):
+        layer = rl.start + i
+        if layer < rl.stop:
+            segments.append((memoryview(out[layer, ra]).cast("B"), valid_rows * row_bytes))
+            if valid_rows < along:
+                segments.append((None, (along - valid_rows) * row_bytes))
+        else:
+            segments.append((None, along * row_bytes))
+    return segments
 
 
 def zarr_store(zarr_uri: str, config: StorageConfig | None = None):

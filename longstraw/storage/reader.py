@@ -10,11 +10,17 @@ import zarr
 
 from longstraw.schemas.storage import PrefixStateRef, StateLayout, StateManifest, StorageConfig
 from longstraw.storage.cache import StateCache, default_state_cache
-from longstraw.storage.chunks import for_each_chunk, make_pool, read_chunk
-from longstraw.storage.codec import sha256_hex, stored_to_tensor
+from longstraw.storage.chunks import for_each_chunk, make_pool, read_chunk, read_chunk_into_local
+from longstraw.storage.codec import chunk_key, sha256_hex, stored_to_tensor
 from longstraw.storage.errors import StateIntegrityError, StateMismatchError, StateNotCommittedError
-from longstraw.storage.layout_io import chunk_region, place_chunk, zarr_store
-from longstraw.storage.paths import COMMITTED_NAME, ZARR_NAME, attempt_dir_name, filesystem
+from longstraw.storage.layout_io import chunk_region, chunk_segments, place_chunk, zarr_store
+from longstraw.storage.paths import (
+    COMMITTED_NAME,
+    ZARR_NAME,
+    attempt_dir_name,
+    filesystem,
+    is_local,
+)
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,20 @@ def read_state_arrays(
         for d in m.chunks
     ]
 
+    local = is_local(fs)
+
     def load(job):
         zarr_path, d = job
         a = layout.array(d.array)
-        place_chunk(out[d.array], a, layout.shard_tokens, d, read_chunk(fs, zarr_path, d, verify))
+        if local:
+            path = f"{zarr_path}/{chunk_key(d.array, d.index)}"
+            read_chunk_into_local(
+                path, d, chunk_segments(out[d.array], a, layout.shard_tokens, d.index), verify
+            )
+        else:
+            place_chunk(
+                out[d.array], a, layout.shard_tokens, d, read_chunk(fs, zarr_path, d, verify)
+            )
 
     pool = make_pool()
     try:

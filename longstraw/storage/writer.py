@@ -224,12 +224,12 @@ class StateWriter:
         ckpt_specs = [a for a in self.layout.arrays if a.kind == "checkpoint"]
         _check_names("token_slices", token_slices, token_specs)
         _check_names("checkpoints", checkpoints, ckpt_specs)
-        if (k == 0) != (initial_checkpoints is not None):
+        if ckpt_specs and (k == 0) != (initial_checkpoints is not None):
             raise ValueError(
                 "initial_checkpoints (the state at the start of shard 0) go with shard 0 and only "
                 f"with it; got k={k} and initial_checkpoints={'set' if initial_checkpoints else None}"
             )
-        if k == 0:
+        if k == 0 and ckpt_specs:
             _check_names("initial_checkpoints", initial_checkpoints, ckpt_specs)
         payloads = []
         st = self.layout.shard_tokens

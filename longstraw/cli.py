@@ -1,0 +1,109 @@
+"""`longstraw` command line: train, init-model, state …, bench ….
+
+Heavy imports (torch, transformers, prefect) happen inside the commands so that `--help` is fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="longstraw",
+    help="GRPO on million-token prompts: prefill once without autograd, replay response branches "
+    "one at a time, recover the exact prompt gradient by a reverse sweep.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+
+
+@app.command("init-model")
+def init_model_command(
+    family: Annotated[
+        str, typer.Option(help="Model family: llama, qwen3, qwen3_5, qwen3_next or glm_moe_dsa.")
+    ],
+    out: Annotated[Path, typer.Option(help="Directory to write the Hugging Face checkpoint to.")],
+    size: Annotated[
+        str, typer.Option(help="tiny (tests: hidden 64) or small (benchmarks: hidden 512).")
+    ] = "tiny",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 42,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Write a random-weight checkpoint that transformers' from_pretrained loads unchanged."""
+    import torch
+
+    from longstraw.models.factory import FAMILIES, SIZES, describe_checkpoint, init_model
+
+    if family not in FAMILIES:
+        raise typer.BadParameter(f"choose one of {', '.join(FAMILIES)}", param_hint="--family")
+    if size not in SIZES:
+        raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise typer.BadParameter("choose float32 or bfloat16", param_hint="--dtype")
+    path = init_model(family, size, out, seed=seed, dtype=dtypes[dtype])
+    summary = describe_checkpoint(path)
+    console.print(
+        f"[green]wrote[/green] {path}  ({summary['model_type']}, hidden {summary['hidden_size']}, "
+        f"{summary['num_hidden_layers']} layers)"
+    )
+
+
+@app.command("train")
+def train_command(
+    config: Annotated[
+        Path | None,
+        typer.Option(help="YAML run config (see docs/config.md); default: the embedded demo."),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the run's latest committed checkpoint.")
+    ] = False,
+    steps: Annotated[int | None, typer.Option(help="Override train.num_steps.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Override run_id.")] = None,
+    root: Annotated[
+        str | None, typer.Option(help="Override storage.root_uri (local path or s3://).")
+    ] = None,
+    no_prefect: Annotated[
+        bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
+    ] = False,
+) -> None:
+    """Run GRPO training. With no arguments: the embedded default (no server, local storage,
+    a tiny checkpoint it builds itself, the synthetic long-context task)."""
+    from longstraw.train_entry import run_training
+
+    run_training(
+        config_path=config,
+        resume=resume,
+        steps=steps,
+        run_id=run_id,
+        root=root,
+        use_prefect=not no_prefect,
+    )
+
+
+def _mount_optional_apps() -> None:
+    from longstraw.storage.cli import state_app
+
+    app.add_typer(
+        state_app, name="state", help="Inspect, verify and garbage-collect persisted prompt states."
+    )
+    try:
+        from longstraw.bench.cli import bench_app
+    except ImportError:  # benchmarks are optional in a stripped install
+        return
+    app.add_typer(bench_app, name="bench", help="Benchmarks against full-sequence GRPO and TRL.")
+
+
+_mount_optional_apps()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

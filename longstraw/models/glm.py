@@ -1,0 +1,187 @@
+"""GLM-5 (`glm_moe_dsa`) adapter: MLA attention over the latent prompt state, DSA selection, MoE.
+
+Legend: B batch rows, S queries of this forward, X branch positions so far (X = S unless decoding
+keeps an overlay), T prefix positions, H heads, R latent rank, E rope dim, Hi / Di indexer heads /
+key dim, K `index_topk`.
+
+transformers' `GlmMoeDsaAttention.forward` caches the latents but re-expands *every* cached latent
+into per-head K/V with `kv_b_proj` on each forward and masks with dense [S, T] masks (NOTES.md:
+5.2 GB at 16K tokens on a tiny config), and its DSA top-k breaks ties differently at different
+lengths. Neither can be changed through transformers' extension points, so inside
+`mla_attention_installed(model)` each attention module's `forward` is replaced by
+`longstraw_mla_forward` below; everything else (embeddings, norms, RoPE tables, MoE, the decoder
+loop, lm_head) is transformers' own code. The replacement computes the same function:
+
+- the same projections, norms and interleaved RoPE as transformers (its own helpers are called);
+- the indexer exactly as `GlmMoeDsaIndexer.forward` (under no_grad, fp32 scores, relu, per-head
+  weights), scored against the stored prefix indexer keys chunk by chunk plus the branch's own,
+  then a stable top-k (`longstraw.ops.dsa_topk`: ties to the earlier position); with T + X <=
+  `index_topk` every position is selected and the selection is skipped (the dense regime);
+- `shared` layers reuse the previous layer's selection, passed up the decoder loop in the slot
+  transformers uses for `prev_topk_indices`;
+- absorbed MLA on the latents (`longstraw.ops.mla_attention`), the prefix merged by log-sum-exp.
+
+MoE: the router and experts are transformers' and position-wise. The model is called without
+`output_router_logits`, so no auxiliary load-balancing loss is computed on prompt or branch
+tokens, exactly as TRL's GRPO loss with transformers' default (`output_router_logits=False`).
+The router's `e_score_correction_bias` is a buffer (no gradient); the expert choice is a discrete
+top-k (no gradient through the choice; the gates `topk_weights` are differentiable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+    GlmMoeDsaAttention,
+    apply_rotary_pos_emb_interleave,
+)
+
+from longstraw.ops.dsa_topk import stable_topk_mask
+from longstraw.ops.mla_attention import absorbed_mla_attention
+
+# Prefix positions per chunk for the latent attention and the indexer scores.
+PREFIX_CHUNK_TOKENS = 1024
+
+
+def is_glm(model: PreTrainedModel) -> bool:
+    return getattr(model.config.get_text_config(), "model_type", None) == "glm_moe_dsa"
+
+
+@torch.no_grad()
+def indexer_query_key(indexer, hidden_BSH, q_resid_BSQ, position_embeddings):
+    """(q [B, S, Hi, Di], k [B, S, Di], weights [B, S, Hi] fp32) as `GlmMoeDsaIndexer.forward`."""
+    batch, length, _ = hidden_BSH.shape
+    cos, sin = position_embeddings
+    rope = indexer.qk_rope_head_dim
+    q = indexer.wq_b(q_resid_BSQ).view(batch, length, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_BSH)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_BSH.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, weights * (indexer.n_heads**-0.5)
+
+
+def _index_scores(indexer, q_BSHD, weights_BSH, keys_XD):
+    """[B, S, X] index scores of keys [X, Di] or [B, X, Di] (transformers' op order)."""
+    keys = keys_XD.transpose(-1, -2).float()
+    keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
+    scores_BSHX = F.relu(torch.matmul(q_BSHD.float(), keys.unsqueeze(1)) * indexer.softmax_scale)
+    return torch.matmul(weights_BSH.unsqueeze(-2), scores_BSHX).squeeze(-2)
+
+
+@torch.no_grad()
+def dsa_selection(
+    indexer, q_BSHD, weights_BSH, prefix_index_TD, branch_index_BXD
+) -> torch.Tensor | None:
+    """[B, S, K] selected positions (ascending, in [0, T + X)), or None when all are selected.
+
+    Scores are [B, S, T + X] fp32 (one shard × the prefix in prefill, no per-head [S, Hi, T] block:
+    the prefix is scored chunk by chunk).
+    """
+    batch, queries = q_BSHD.shape[:2]
+    num_prefix, branch_len = prefix_index_TD.shape[0], branch_index_BXD.shape[1]
+    topk = indexer.index_topk
+    if num_prefix + branch_len <= topk:
+        return None
+    parts = [
+        _index_scores(indexer, q_BSHD, weights_BSH, prefix_index_TD[s : s + PREFIX_CHUNK_TOKENS])
+        for s in range(0, num_prefix, PREFIX_CHUNK_TOKENS)
+    ]
+    branch_BSX = _index_scores(indexer, q_BSHD, weights_BSH, branch_index_BXD)
+    query_pos = torch.arange(branch_len - queries, branch_len, device=q_BSHD.device)
+    hidden_SX = torch.arange(branch_len, device=q_BSHD.device)[None, :] > query_pos[:, None]
+    parts.append(branch_BSX.masked_fill(hidden_SX, float("-inf")))
+    keep_BSL = stable_topk_mask(torch.cat(parts, dim=-1), topk)
+    # Exactly `topk` per row; nonzero() walks rows in order, so each row's positions ascend.
+    return keep_BSL.nonzero()[:, 2].view(batch, queries, topk)
+
+
+def longstraw_mla_forward(
+    self: GlmMoeDsaAttention,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    position_ids: torch.Tensor | None = None,
+    prev_topk_indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """`GlmMoeDsaAttention.forward` on LongStraw's latent state (a `PrefixMlaLayer` in `cache`)."""
+    if cache is None or not hasattr(cache.layers[self.layer_idx], "prefix_latent_TR"):
+        raise RuntimeError(
+            "LongStraw's GLM attention needs a longstraw StateCache with MLA layers; run the model "
+            "through longstraw.engine or outside `mla_attention_installed`"
+        )
+    layer = cache.layers[self.layer_idx]
+    batch, length = hidden_states.shape[:-1]
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q_BHSD = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q_BHSD, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    compressed = self.kv_a_proj_with_mqa(hidden_states)
+    kv_pass, k_rot = torch.split(compressed, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    latent_BSR = self.kv_a_layernorm(kv_pass)
+    k_rot = k_rot.view(batch, 1, length, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+
+    index_key = None
+    if self.indexer is not None:
+        index_q, index_key, index_weights = indexer_query_key(
+            self.indexer, hidden_states, q_resid, position_embeddings
+        )
+    latent_BXR, rope_BXE, index_BXD = layer.update(latent_BSR, k_rot[:, 0], index_key)
+    if self.indexer is not None:
+        selected = dsa_selection(
+            self.indexer, index_q, index_weights, layer.prefix_index_TD, index_BXD
+        )
+    else:
+        if "full" not in self.config.indexer_types[: self.layer_idx]:
+            # transformers raises the same way for a `shared` first layer.
+            raise ValueError("Shared DSA layers require top-k indices from a previous full layer.")
+        # None from the previous layer means it selected everything (the dense regime).
+        selected = prev_topk_indices
+
+    out_BHSV = absorbed_mla_attention(
+        q_nope,
+        q_rot,
+        latent_BXR,
+        rope_BXE,
+        layer.prefix_latent_TR,
+        layer.prefix_rope_TE,
+        self.kv_b_proj.weight,
+        scale=self.scaling,
+        selected_BSK=selected,
+        chunk_size=PREFIX_CHUNK_TOKENS,
+        prefix_grad_latent_TR=layer.grad_latent_TR,
+        prefix_grad_rope_TE=layer.grad_rope_TE,
+    )
+    out = out_BHSV.transpose(1, 2).reshape(batch, length, -1)
+    # The selection rides up the decoder loop where transformers passes `prev_topk_indices`.
+    return self.o_proj(out), None, selected
+
+
+@contextlib.contextmanager
+def mla_attention_installed(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block, every GLM attention module of `model` runs `longstraw_mla_forward`."""
+    modules = [m for m in model.modules() if isinstance(m, GlmMoeDsaAttention)]
+    # Nested use restores what the outer block installed.
+    previous = [m.__dict__.get("forward") for m in modules]
+    for module in modules:
+        module.forward = types.MethodType(longstraw_mla_forward, module)
+    try:
+        yield
+    finally:
+        for module, forward in zip(modules, previous, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward

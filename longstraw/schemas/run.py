@@ -1,0 +1,155 @@
+"""The configuration of a LongStraw training run, as loaded from `--config run.yaml`.
+
+Every section is frozen and rejects unknown keys, so a typo in a YAML file is an error that names
+the field rather than a silently ignored setting. GRPO knobs keep TRL's names (`GRPOConfig`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from longstraw.schemas.data import HaystackTaskConfig
+from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.storage import StorageConfig
+
+Family = Literal["llama", "qwen3", "qwen3_5", "qwen3_next", "glm_moe_dsa"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to train, and in what precision."""
+
+    checkpoint: str | None = None
+    """A Hugging Face checkpoint directory (safetensors). None: build a random-weight checkpoint
+    of `init_family`/`init_size` under the storage root on first use (the embedded demo)."""
+    init_family: Family = "qwen3_5"
+    """Family of the checkpoint built when `checkpoint` is None."""
+    init_size: Literal["tiny", "small"] = "tiny"
+    """Size of the checkpoint built when `checkpoint` is None."""
+    init_seed: int = Field(default=42, ge=0)
+    """Seed of the random weights of a built checkpoint."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations dtype. Gradients and the prompt cotangent are fp32 either way."""
+    reference_checkpoint: str | None = None
+    """Reference model for the KL term (beta > 0). None: the run's initial checkpoint."""
+
+
+class EngineConfig(_Section):
+    """How the prompt is prefilled and how its gradient is taken."""
+
+    shard_tokens: int = Field(default=2048, ge=1)
+    """Prompt tokens per prefill shard: activation memory is bounded by one shard, and the exact
+    sweep recomputes one shard at a time."""
+    prompt_grad: Literal["exact", "detached"] = "exact"
+    """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
+    forward+backward); detached: treat the prompt state as a constant (the original system's
+    capacity mode, biased)."""
+
+
+class HaystackDataConfig(_Section):
+    """Synthetic long-context prompts generated locally, one task per prompt."""
+
+    type: Literal["haystack"] = "haystack"
+    task: HaystackTaskConfig = Field(default_factory=lambda: HaystackTaskConfig.tiny())
+    """The task template; each prompt uses `task.seed + prompt index` as its seed."""
+    num_prompts: int = Field(default=64, ge=1)
+    """Distinct prompts the generator cycles through."""
+    rewards: list[str] = Field(default_factory=lambda: ["haystack_partial"])
+    """Reward specs: registered names or `package.module:function`."""
+
+
+class JsonlDataConfig(_Section):
+    """Users' prompts from a JSONL file (format: docs/data.md)."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str
+    """The JSONL prompt dataset."""
+    rewards: list[str] = Field(min_length=1)
+    """Reward specs used for records that do not name their own `reward`."""
+
+
+DataConfig = Annotated[HaystackDataConfig | JsonlDataConfig, Field(discriminator="type")]
+
+
+class TrainConfig(_Section):
+    """The training loop."""
+
+    num_steps: int = Field(default=8, ge=1)
+    """Optimizer steps (policy versions) to run."""
+    groups_per_step: int = Field(default=1, ge=1)
+    """Prompts (GRPO groups) whose gradients are summed into one optimizer step."""
+    checkpoint_every: int = Field(default=1, ge=1)
+    """Write a Hugging Face checkpoint every this many steps (and always after the last)."""
+    seed: int = Field(default=42, ge=0)
+    """Seed of sampling and data order; checkpoints store RNG states so a resume reproduces."""
+
+
+class ParallelConfig(_Section):
+    """Processes that share one step (torch.distributed)."""
+
+    world_size: int = Field(default=1, ge=1)
+    """Ranks that sequence-shard one prompt's state (1: single process)."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """torch.distributed backend: gloo on CPU, nccl on GPUs."""
+
+
+class RunConfig(_Section):
+    """A whole training run."""
+
+    run_id: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Name of the run: the storage key space and checkpoint folder (letters, digits, . _ -)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    grpo: GRPOConfig = Field(
+        default_factory=lambda: GRPOConfig(
+            num_generations=4, max_completion_length=4, learning_rate=3e-3, temperature=1.0
+        )
+    )
+    data: DataConfig = Field(default_factory=HaystackDataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _reference_needs_beta(self) -> RunConfig:
+        if self.model.reference_checkpoint is not None and self.grpo.beta == 0.0:
+            raise ValueError(
+                "model.reference_checkpoint is set but grpo.beta is 0: set grpo.beta > 0 to use the "
+                "reference model, or remove model.reference_checkpoint"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A run configuration file that cannot be used, with every offending field named."""
+
+
+def load_run_config(path: str | Path, **overrides) -> RunConfig:
+    """Read a YAML run config; errors name the file and each bad field by its dotted path."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {path} does not exist") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} must hold a mapping of sections (model:, grpo:, ...), got {type(raw).__name__}"
+        )
+    raw.update(overrides)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as error:
+        lines = [f"{path}: {error.error_count()} invalid setting(s):"]
+        for item in error.errors():
+            where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+            lines.append(f"  {where}: {item['msg']}")
+        raise ConfigError("\n".join(lines)) from error

@@ -1,0 +1,95 @@
+"""Prompt sources: the synthetic generator or a user's JSONL dataset, as `PromptExample`s."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from longstraw.data.haystack import generate_haystack_task
+from longstraw.data.jsonl import read_prompt_dataset
+from longstraw.schemas.run import HaystackDataConfig, JsonlDataConfig
+
+
+@dataclass
+class PromptExample:
+    """One prompt of the training data."""
+
+    prompt_id: str
+    prompt_ids: torch.Tensor
+    """[P] int64 token ids."""
+    rewards: list[str]
+    """Reward specs scoring this prompt's responses."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
+    """The prompt as text when cheap to have (rewards receive it); None for id-only prompts."""
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the token ids: the key of this prompt's state in storage."""
+        return prompt_digest(self.prompt_ids)
+
+
+def prompt_digest(prompt_ids: torch.Tensor) -> str:
+    data = prompt_ids.to(torch.int64).cpu().numpy().astype("<i8").tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class HaystackPrompts:
+    """Synthetic retrieval prompts: example i uses seed `task.seed + i % num_prompts`."""
+
+    def __init__(self, config: HaystackDataConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def __call__(self, index: int) -> PromptExample:
+        slot = index % self.config.num_prompts
+        task = self.config.task.model_copy(update={"seed": self.config.task.seed + slot})
+        example = generate_haystack_task(task, self.tokenizer)
+        text = example.prompt_text() if example.num_prompt_tokens <= 65_536 else None
+        return PromptExample(
+            prompt_id=f"haystack-{task.seed}",
+            prompt_ids=torch.from_numpy(example.prompt_ids.astype(np.int64)),
+            rewards=list(self.config.rewards),
+            metadata=dict(example.metadata),
+            text=text,
+        )
+
+
+class JsonlPrompts:
+    """A user's JSONL prompt dataset (docs/data.md), read once and cycled through."""
+
+    def __init__(self, config: JsonlDataConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.records = list(read_prompt_dataset(config.path))
+        if not self.records:
+            raise ValueError(f"{config.path} holds no prompts")
+
+    def __call__(self, index: int) -> PromptExample:
+        record = self.records[index % len(self.records)]
+        if record.prompt_ids is not None:
+            ids = torch.tensor(record.prompt_ids, dtype=torch.int64)
+        else:
+            ids = torch.tensor(
+                self.tokenizer.encode(record.prompt, add_special_tokens=False), dtype=torch.int64
+            )
+        metadata = dict(record.metadata)
+        if record.answer is not None:
+            metadata.setdefault("answer", record.answer)
+        return PromptExample(
+            prompt_id=record.id,
+            prompt_ids=ids,
+            rewards=[record.reward] if record.reward else list(self.config.rewards),
+            metadata=metadata,
+            text=record.prompt,
+        )
+
+
+def prompt_source(config: HaystackDataConfig | JsonlDataConfig, tokenizer):
+    if isinstance(config, HaystackDataConfig):
+        return HaystackPrompts(config, tokenizer)
+    return JsonlPrompts(config, tokenizer)
