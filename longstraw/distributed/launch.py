@@ -114,7 +114,18 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, timeout_s, num_threads, results, fn, args, kwargs),
+            args=(
+                rank,
+                world_size,
+                port,
+                backend,
+                timeout_s,
+                num_threads,
+                results,
+                fn,
+                args,
+                kwargs,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

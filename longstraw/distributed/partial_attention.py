@@ -1,0 +1,180 @@
+"""Partial softmax attentions as (out, lse), their FlashAttention-2 backward, and the N-way merge.
+
+Legend: B batch rows, H query heads, K kv heads (G = H // K), R query rows (branch or shard),
+T prefix keys held by this rank, D head dim, V value dim, N = G * R rows of one kv head,
+C keys of one chunk. Queries arrive PRE-SCALED (q * scale) and in the compute dtype (fp32), so
+every rank computes scores the same way and dq is returned w.r.t. the scaled query.
+
+Sequence-sharded attention splits the keys of one softmax across ranks: each rank computes the
+attention of the same queries over its own keys, normalised over those keys only, and the log of
+its normaliser (lse). `merge_partials` combines them exactly. The backward needs only the GLOBAL
+out and lse: with P_j = exp(s_j - lse) and delta = rowsum(dO * O),
+    dV_j = P_j^T dO,  dS_j = P_j * (dO v_j^T - delta),  dK_j = dS_j^T q,  dq = sum_j dS_j k_j,
+so a rank computes its keys' dK/dV and its share of dq without seeing any other rank's keys.
+The prefix keys are read chunk by chunk and never copied whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _rows(x_BHRX: Tensor, num_kv_heads: int) -> Tensor:
+    """[B, H, R, X] -> [B, K, G * R, X]: the query rows that read one kv head, as one matrix."""
+    batch, num_heads, length, dim = x_BHRX.shape
+    return x_BHRX.reshape(batch, num_kv_heads, (num_heads // num_kv_heads) * length, dim)
+
+
+def _chunk(x_TKX: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
+    """Keys [start, end) as [K, C, X] in `dtype` (a copy of one chunk at most)."""
+    return x_TKX[start:end].to(dtype).transpose(0, 1)
+
+
+def prefix_partial(
+    q_BHRD: Tensor, k_TKD: Tensor, v_TKV: Tensor, *, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """Attention of (pre-scaled) queries over all T prefix keys: (out [B,H,R,V], lse [B,H,R]).
+
+    T = 0 gives out = 0 and lse = -inf (a partial with no keys; the merge ignores it).
+    """
+    batch, num_heads, length, _ = q_BHRD.shape
+    num_kv_heads, value_dim = k_TKD.shape[1], v_TKV.shape[-1]
+    dtype = q_BHRD.dtype
+    q_BKND = _rows(q_BHRD, num_kv_heads)
+    rows = q_BKND.shape[:-1]
+    max_BKN = q_BHRD.new_full(rows, float("-inf"))
+    sum_BKN = q_BHRD.new_zeros(rows)
+    acc_BKNV = q_BHRD.new_zeros((*rows, value_dim))
+    for start in range(0, k_TKD.shape[0], chunk_size):
+        end = min(start + chunk_size, k_TKD.shape[0])
+        scores_BKNC = q_BKND @ _chunk(k_TKD, start, end, dtype).transpose(-1, -2)
+        new_max_BKN = torch.maximum(max_BKN, scores_BKNC.amax(dim=-1))
+        rescale_BKN = torch.exp(max_BKN - new_max_BKN)
+        probs_BKNC = scores_BKNC.sub_(new_max_BKN[..., None]).exp_()
+        sum_BKN = sum_BKN * rescale_BKN + probs_BKNC.sum(dim=-1)
+        acc_BKNV = acc_BKNV * rescale_BKN[..., None] + probs_BKNC @ _chunk(v_TKV, start, end, dtype)
+        max_BKN = new_max_BKN
+    if k_TKD.shape[0] == 0:
+        out_BKNV, lse_BKN = acc_BKNV, max_BKN
+    else:
+        out_BKNV, lse_BKN = acc_BKNV / sum_BKN[..., None], max_BKN + torch.log(sum_BKN)
+    return (
+        out_BKNV.reshape(batch, num_heads, length, value_dim),
+        lse_BKN.reshape(batch, num_heads, length),
+    )
+
+
+def prefix_partial_backward(
+    q_BHRD: Tensor,
+    grad_out_BHRV: Tensor,
+    lse_BHR: Tensor,
+    delta_BHR: Tensor,
+    k_TKD: Tensor,
+    v_TKV: Tensor,
+    *,
+    chunk_size: int = 1024,
+    grad_k_TKD: Tensor | None = None,
+    grad_v_TKV: Tensor | None = None,
+) -> Tensor:
+    """This rank's share of dq (w.r.t. the scaled query) from its prefix keys, given the GLOBAL
+    lse and delta; ADDS the prefix dK/dV (summed over batch rows and grouped heads) into the
+    fp32 buffers when given."""
+    num_kv_heads = k_TKD.shape[1]
+    dtype = q_BHRD.dtype
+    q_BKND = _rows(q_BHRD, num_kv_heads)
+    grad_out_BKNV = _rows(grad_out_BHRV, num_kv_heads)
+    lse_BKN1 = _rows(lse_BHR[..., None], num_kv_heads)
+    delta_BKN1 = _rows(delta_BHR[..., None], num_kv_heads)
+    grad_q_BKND = torch.zeros_like(q_BKND)
+    for start in range(0, k_TKD.shape[0], chunk_size):
+        end = min(start + chunk_size, k_TKD.shape[0])
+        k_KCD = _chunk(k_TKD, start, end, dtype)
+        v_KCV = _chunk(v_TKV, start, end, dtype)
+        probs_BKNC = (q_BKND @ k_KCD.transpose(-1, -2)).sub_(lse_BKN1).exp_()
+        grad_scores_BKNC = (grad_out_BKNV @ v_KCV.transpose(-1, -2)).sub_(delta_BKN1)
+        grad_scores_BKNC.mul_(probs_BKNC)
+        grad_q_BKND += grad_scores_BKNC @ k_KCD
+        if grad_v_TKV is not None:
+            grad_v_KCV = (probs_BKNC.transpose(-1, -2) @ grad_out_BKNV).sum(dim=0)
+            grad_v_TKV[start:end] += grad_v_KCV.transpose(0, 1)
+        if grad_k_TKD is not None:
+            grad_k_KCD = (grad_scores_BKNC.transpose(-1, -2) @ q_BKND).sum(dim=0)
+            grad_k_TKD[start:end] += grad_k_KCD.transpose(0, 1)
+    return grad_q_BKND.reshape(q_BHRD.shape)
+
+
+def _per_query_head(x_BKRX: Tensor, num_heads: int) -> Tensor:
+    """Branch K/V [B, K, R, X] -> [B, H, R, X] (branch-sized copy; the branch is short)."""
+    return x_BKRX.repeat_interleave(num_heads // x_BKRX.shape[1], dim=1)
+
+
+def _causal_scores(q_BHRD: Tensor, k_BHRD: Tensor) -> Tensor:
+    length = q_BHRD.shape[2]
+    hidden_RR = torch.ones(length, length, dtype=torch.bool, device=q_BHRD.device).triu_(1)
+    return (q_BHRD @ k_BHRD.transpose(-1, -2)).masked_fill_(hidden_RR, float("-inf"))
+
+
+def causal_partial(q_BHRD: Tensor, k_BKRD: Tensor, v_BKRV: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention of (pre-scaled) queries over the branch's own keys: (out, lse).
+
+    Materialises [B, H, R, R] scores: R is a branch or a prefill shard, not the prompt.
+    """
+    dtype = q_BHRD.dtype
+    num_heads = q_BHRD.shape[1]
+    scores_BHRR = _causal_scores(q_BHRD, _per_query_head(k_BKRD.to(dtype), num_heads))
+    lse_BHR = torch.logsumexp(scores_BHRR, dim=-1)
+    probs_BHRR = (scores_BHRR - lse_BHR[..., None]).exp_()
+    return probs_BHRR @ _per_query_head(v_BKRV.to(dtype), num_heads), lse_BHR
+
+
+def causal_partial_backward(
+    q_BHRD: Tensor,
+    k_BKRD: Tensor,
+    v_BKRV: Tensor,
+    grad_out_BHRV: Tensor,
+    lse_BHR: Tensor,
+    delta_BHR: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq w.r.t. the scaled query, dk [B,K,R,D], dv [B,K,R,V]) of the causal branch part."""
+    batch, num_heads, length, _ = q_BHRD.shape
+    num_kv_heads = k_BKRD.shape[1]
+    dtype = q_BHRD.dtype
+    k_BHRD = _per_query_head(k_BKRD.to(dtype), num_heads)
+    v_BHRV = _per_query_head(v_BKRV.to(dtype), num_heads)
+    probs_BHRR = _causal_scores(q_BHRD, k_BHRD).sub_(lse_BHR[..., None]).exp_()
+    grad_scores_BHRR = (grad_out_BHRV @ v_BHRV.transpose(-1, -2)).sub_(delta_BHR[..., None])
+    grad_scores_BHRR.mul_(probs_BHRR)
+    grad_q_BHRD = grad_scores_BHRR @ k_BHRD
+    grad_k_BHRD = grad_scores_BHRR.transpose(-1, -2) @ q_BHRD
+    grad_v_BHRV = probs_BHRR.transpose(-1, -2) @ grad_out_BHRV
+
+    def per_kv_head(x_BHRX: Tensor) -> Tensor:
+        return x_BHRX.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, -1).sum(2)
+
+    return grad_q_BHRD, per_kv_head(grad_k_BHRD), per_kv_head(grad_v_BHRV)
+
+
+def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Exact softmax over the union of disjoint key sets from per-set (out, lse), in list order.
+
+    A partial with lse = -inf has no keys; its out is ignored (it may hold garbage). At least one
+    partial must have keys for every row. Fixed order: the same inputs give the same bits.
+    """
+    lse_NBHR = torch.stack(lses)
+    lse_BHR = torch.logsumexp(lse_NBHR, dim=0)
+    weight_NBHR1 = torch.exp(lse_NBHR - lse_BHR)[..., None]
+    out_NBHRV = torch.where(weight_NBHR1 > 0, weight_NBHR1 * torch.stack(outs), 0.0)
+    return out_NBHRV.sum(dim=0), lse_BHR
+
+
+def naive_partial(
+    q_BHRD: Tensor, k_BKSD: Tensor, v_BKSV: Tensor, visible_RS: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Reference: materialised attention of scaled queries over keys where `visible_RS`."""
+    num_heads = q_BHRD.shape[1]
+    scores = q_BHRD @ _per_query_head(k_BKSD, num_heads).transpose(-1, -2)
+    scores = scores.masked_fill(~visible_RS, float("-inf"))
+    lse_BHR = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse_BHR[..., None]).nan_to_num(0.0)
+    return probs @ _per_query_head(v_BKSV, num_heads), lse_BHR

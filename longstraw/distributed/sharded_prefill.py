@@ -1,0 +1,189 @@
+"""Sequence-sharded prefill: each rank computes and keeps the prefill shards it owns.
+
+Schedule (the naive one, measured in docs/scaling.md): global shards in order; the owner of
+shard s runs the ordinary transformers forward of its tokens (`run_shard_forward`) while every
+other rank serves the cross-rank attention (`serve_owner`): ranks before the owner contribute
+partials over all their positions, ranks after it contribute nothing yet. At an ownership
+boundary the Gated DeltaNet conv tail and recurrent state are broadcast from the previous owner
+(constant size). At the end the final linear-attention state is broadcast to every rank, which
+replays branches from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from longstraw.distributed.cross_rank_attention import (
+    CrossRankAttentionLayer,
+    cross_rank_attention_enabled,
+    finish_owner,
+    serve_owner,
+)
+from longstraw.distributed.sharded_state import ShardedPrefixState
+from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
+from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.validation import as_token_tensor, check_positions
+from longstraw.models.adapters import state_spec
+
+
+def local_prefix_end(state: ShardedPrefixState, shard: int) -> int:
+    """How many of this rank's positions shard `shard`'s queries see: all before it."""
+    start = state.bounds[shard][0]
+    return max(0, min(start, state.token_end) - state.token_start)
+
+
+def serving_prefixes(state: ShardedPrefixState, shard: int, cotangent=None):
+    """(keys, values, grad_keys, grad_values) per full-attention layer that this rank serves."""
+    if state.keys is None:
+        return [], [], None, None
+    end = local_prefix_end(state, shard)
+    num = state.keys.shape[0]
+    keys = [state.keys[i, :end] for i in range(num)]
+    values = [state.values[i, :end] for i in range(num)]
+    if cotangent is None:
+        return keys, values, None, None
+    return (
+        keys,
+        values,
+        [cotangent.keys[i, :end] for i in range(num)],
+        [cotangent.values[i, :end] for i in range(num)],
+    )
+
+
+def owner_cache(
+    state: ShardedPrefixState,
+    shard: int,
+    *,
+    group,
+    kv_hook: Callable[[int], Callable] | None = None,
+    linear_layers: Callable[[int, int], ForkedLinearAttentionLayer] | None = None,
+    cotangent=None,
+) -> StateCache:
+    """The `StateCache` the owner of `shard` runs it with (prefill: writes; sweep: captures)."""
+    spec = state.spec
+    local = shard - state.shards[0]
+    start = state.bounds[shard][0]
+    layers: list = [None] * spec.num_layers
+    end = local_prefix_end(state, shard)
+    if spec.full_attention is not None:
+        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+            layers[layer_idx] = CrossRankAttentionLayer(
+                state.keys[slot, :end],
+                state.values[slot, :end],
+                group=group,
+                owner=state.rank,
+                grad_k_TKD=None if cotangent is None else cotangent.keys[slot, :end],
+                grad_v_TKD=None if cotangent is None else cotangent.values[slot, :end],
+                on_update=None if kv_hook is None else kv_hook(slot),
+            )
+    if spec.linear_attention is not None:
+        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+            layers[layer_idx] = linear_layers(slot, local)
+    return StateCache(layers, position_offset=start)
+
+
+def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
+    """Broadcast the linear-attention state at the start of `shard` from the previous owner."""
+    if state.conv is None or shard == 0:
+        return
+    previous, owner = state.owner_of(shard - 1), state.owner_of(shard)
+    if previous == owner:
+        return
+    for name in ("conv", "recurrent"):
+        full = getattr(state, name)
+        if state.rank == previous:
+            buffer = full[:, -1].contiguous()
+        else:
+            buffer = torch.empty_like(full[:, 0])
+        dist.broadcast(buffer, src=previous, group=group)
+        if state.rank == owner:
+            full[:, 0] = buffer
+
+
+def broadcast_final_linear_state(state: ShardedPrefixState, group) -> None:
+    if state.conv is None:
+        return
+    last = state.world_size - 1
+    for name in ("conv", "recurrent"):
+        final = getattr(state, f"final_{name}")
+        if state.rank == last:
+            final.copy_(getattr(state, name)[:, -1])
+        dist.broadcast(final, src=last, group=group)
+
+
+def sharded_prefill(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    group: dist.ProcessGroup | None = None,
+    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+) -> ShardedPrefixState:
+    """This rank's slice of the prompt state of `prompt_ids[:-1]`; call on every rank together.
+
+    `on_shard(state, s)` runs on the owner after its shard s is complete (persistence).
+    """
+    spec = state_spec(model)
+    ids = as_token_tensor(
+        prompt_ids, what="prompt_ids", vocab_size=model.config.get_text_config().vocab_size
+    )
+    check_positions(spec, ids.numel(), what="the prompt")
+    state = ShardedPrefixState.allocate(
+        spec,
+        prompt_ids=ids,
+        shard_tokens=shard_tokens,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        dtype=next(model.parameters()).dtype,
+        device=model.device,
+    )
+
+    def kv_writer(shard: int):
+        start, end = state.bounds[shard]
+        offset = state.token_start
+
+        def hook(slot: int):
+            def write(k_BKSD, v_BKSD):
+                state.keys[slot, start - offset : end - offset] = k_BKSD[0].transpose(0, 1)
+                state.values[slot, start - offset : end - offset] = v_BKSD[0].transpose(0, 1)
+
+            return write
+
+        return hook
+
+    def linear_writer(slot: int, local: int) -> ForkedLinearAttentionLayer:
+        def write_conv(tail_BCW):
+            state.conv[slot, local + 1] = tail_BCW[0]
+
+        def write_recurrent(rec_BHKV):
+            state.recurrent[slot, local + 1] = rec_BHKV[0]
+
+        return ForkedLinearAttentionLayer(
+            state.conv[slot, local].unsqueeze(0),
+            state.recurrent[slot, local].unsqueeze(0),
+            on_conv=write_conv,
+            on_recurrent=write_recurrent,
+        )
+
+    with torch.no_grad(), cross_rank_attention_enabled(model):
+        for shard in range(state.num_shards):
+            _handoff_linear_state(state, shard, group)
+            owner = state.owner_of(shard)
+            if owner == state.rank:
+                cache = owner_cache(
+                    state, shard, group=group, kv_hook=kv_writer(shard), linear_layers=linear_writer
+                )
+                start, end = state.bounds[shard]
+                run_shard_forward(model, ids, cache, start, end)
+                finish_owner(owner, group)
+                if on_shard is not None:
+                    on_shard(state, shard)
+            else:
+                keys, values, _, _ = serving_prefixes(state, shard)
+                serve_owner(owner, keys, values, group=group)
+        broadcast_final_linear_state(state, group)
+    return state

@@ -1,0 +1,204 @@
+"""The prompt state split by sequence position across ranks: which rank holds what.
+
+Legend: L layers of one kind, T_r state tokens on rank r, K kv heads, D head dim, n_r prefill
+shards on rank r, C conv channels, W conv tail, H value heads, Dk/Dv key/value head dims.
+
+Rank r owns a contiguous range of prefill shards (the first `num_shards % world` ranks one more)
+and so a contiguous range of positions [token_start, token_end): their full-attention K/V, and
+the Gated DeltaNet checkpoints at the start of each of its shards plus the end of its last one.
+Every rank also keeps the FINAL linear-attention state (constant size): branches replay on every
+rank and start from it. Placement only: these are the single-process state's tensors, sliced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longstraw.engine.state import PrefixState, shard_bounds
+from longstraw.models.adapters import StateSpec
+
+
+def rank_shard_ranges(num_shards: int, world_size: int) -> tuple[range, ...]:
+    """The prefill shards each rank owns: contiguous, balanced, in rank order."""
+    if num_shards < world_size:
+        raise ValueError(
+            f"{num_shards} prefill shards cannot be split over {world_size} ranks; use a smaller "
+            "shard_tokens or fewer ranks (every rank must own at least one shard)"
+        )
+    base, extra = divmod(num_shards, world_size)
+    ranges, start = [], 0
+    for rank in range(world_size):
+        count = base + (1 if rank < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return tuple(ranges)
+
+
+@dataclass
+class ShardedPrefixState:
+    """This rank's slice of a prompt state (see the module docstring)."""
+
+    spec: StateSpec
+    prompt_ids: torch.Tensor
+    """[P] int64, on every rank (8 bytes/token: the sweep recomputes shards from it)."""
+    shard_tokens: int
+    bounds: tuple[tuple[int, int], ...]
+    """Global [start, end) of every prefill shard."""
+    rank: int
+    world_size: int
+    shards: range
+    """Global indices of the shards this rank owns."""
+    keys: torch.Tensor | None
+    """[L, T_r, K, D] keys of positions [token_start, token_end), model dtype."""
+    values: torch.Tensor | None
+    """[L, T_r, K, Dv]."""
+    conv: torch.Tensor | None
+    """[L, n_r + 1, C, W]: index i = start of shard shards[i]; index n_r = end of the last one."""
+    recurrent: torch.Tensor | None
+    """[L, n_r + 1, H, Dk, Dv] fp32, indexed like `conv`."""
+    final_conv: torch.Tensor | None
+    """[L, C, W] the linear-attention state after the whole prompt (branches start from it)."""
+    final_recurrent: torch.Tensor | None
+    """[L, H, Dk, Dv] fp32."""
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len - 1
+
+    @property
+    def last_token_id(self) -> int:
+        return int(self.prompt_ids[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def token_start(self) -> int:
+        return self.bounds[self.shards[0]][0]
+
+    @property
+    def token_end(self) -> int:
+        return self.bounds[self.shards[-1]][1]
+
+    def owner_of(self, shard: int) -> int:
+        ranges = rank_shard_ranges(self.num_shards, self.world_size)
+        return next(r for r, owned in enumerate(ranges) if shard in owned)
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's per-token part (K/V)."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def checkpoint_bytes(self) -> int:
+        tensors = (self.conv, self.recurrent, self.final_conv, self.final_recurrent)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @classmethod
+    def allocate(
+        cls,
+        spec: StateSpec,
+        *,
+        prompt_ids: torch.Tensor,
+        shard_tokens: int,
+        rank: int,
+        world_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> ShardedPrefixState:
+        bounds = shard_bounds(prompt_ids.numel() - 1, shard_tokens)
+        shards = rank_shard_ranges(len(bounds), world_size)[rank]
+        num_local = bounds[shards[-1]][1] - bounds[shards[0]][0]
+        keys = values = conv = recurrent = final_conv = final_recurrent = None
+        if spec.full_attention is not None:
+            fa = spec.full_attention
+            layers = len(fa.layer_indices)
+            keys = torch.empty(
+                layers, num_local, fa.num_kv_heads, fa.head_dim, dtype=dtype, device=device
+            )
+            values = torch.empty(
+                layers, num_local, fa.num_kv_heads, fa.value_head_dim, dtype=dtype, device=device
+            )
+        if spec.linear_attention is not None:
+            la = spec.linear_attention
+            layers = len(la.layer_indices)
+            conv = torch.zeros(
+                layers, len(shards) + 1, la.conv_dim, la.conv_tail, dtype=dtype, device=device
+            )
+            recurrent = torch.zeros(
+                layers,
+                len(shards) + 1,
+                la.num_value_heads,
+                la.key_head_dim,
+                la.value_head_dim,
+                dtype=torch.float32,
+                device=device,
+            )
+            final_conv = torch.zeros_like(conv[:, 0])
+            final_recurrent = torch.zeros_like(recurrent[:, 0])
+        return cls(
+            spec, prompt_ids.cpu(), shard_tokens, bounds, rank, world_size, shards,
+            keys, values, conv, recurrent, final_conv, final_recurrent,
+        )  # fmt: skip
+
+
+def scatter_state(state: PrefixState, rank: int, world_size: int) -> ShardedPrefixState:
+    """This rank's slice of a single-process state (copies; placement only, bitwise)."""
+    shards = rank_shard_ranges(state.num_shards, world_size)[rank]
+    start, end = state.bounds[shards[0]][0], state.bounds[shards[-1]][1]
+    final = state.num_shards
+
+    def part(t: torch.Tensor | None, index) -> torch.Tensor | None:
+        return None if t is None else t[index].clone()
+
+    return ShardedPrefixState(
+        state.spec, state.prompt_ids, state.shard_tokens, state.bounds, rank, world_size, shards,
+        part(state.keys, (slice(None), slice(start, end))),
+        part(state.values, (slice(None), slice(start, end))),
+        part(state.conv, (slice(None), slice(shards[0], shards[-1] + 2))),
+        part(state.recurrent, (slice(None), slice(shards[0], shards[-1] + 2))),
+        part(state.conv, (slice(None), final)),
+        part(state.recurrent, (slice(None), final)),
+    )  # fmt: skip
+
+
+def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = None) -> PrefixState:
+    """The whole single-process `PrefixState`, assembled on every rank (tests, persistence)."""
+    state = PrefixState.allocate(
+        local.spec,
+        prompt_ids=local.prompt_ids,
+        shard_tokens=local.shard_tokens,
+        dtype=local.keys.dtype if local.keys is not None else local.conv.dtype,
+    )
+    ranges = rank_shard_ranges(local.num_shards, local.world_size)
+    for name in ("keys", "values", "conv", "recurrent"):
+        mine = getattr(local, name)
+        if mine is None:
+            continue
+        # all_gather needs equal sizes: pad every slice to the largest along the sliced dim.
+        sizes = [
+            (local.bounds[r[-1]][1] - local.bounds[r[0]][0])
+            if name in ("keys", "values")
+            else len(r) + 1
+            for r in ranges
+        ]
+        padded = mine.new_zeros((mine.shape[0], max(sizes), *mine.shape[2:]))
+        padded[:, : mine.shape[1]] = mine
+        parts = [torch.empty_like(padded) for _ in ranges]
+        dist.all_gather(parts, padded, group=group)
+        whole = getattr(state, name)
+        for r, (owned, size, part) in enumerate(zip(ranges, sizes, parts, strict=True)):
+            if name in ("keys", "values"):
+                start = local.bounds[owned[0]][0]
+                whole[:, start : start + size] = part[:, :size]
+            else:
+                # Rank r's last entry (end of its last shard) is rank r+1's first: same bits.
+                whole[:, owned[0] : owned[-1] + 2] = part[:, :size]
+            del r
+    return state
