@@ -18,7 +18,12 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
-from longstraw.engine.cache import ForkedLinearAttentionLayer, PrefixAttentionLayer, StateCache
+from longstraw.engine.cache import (
+    ForkedLinearAttentionLayer,
+    PrefixAttentionLayer,
+    PrefixMlaLayer,
+    StateCache,
+)
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import decoder_of, state_spec
@@ -55,6 +60,26 @@ def _shard_cache(state: PrefixState, shard: int) -> StateCache:
                 state.recurrent[slot, shard].unsqueeze(0),
                 on_conv=write_conv,
                 on_recurrent=write_recurrent,
+            )
+    if spec.mla is not None:
+        for slot, layer_idx in enumerate(spec.mla.layer_indices):
+            index_slot = (
+                spec.mla.indexer_slot(layer_idx)
+                if layer_idx in spec.mla.indexer_layer_indices
+                else None
+            )
+
+            def write_mla(latent_BSR, rope_BSE, index_BSD, slot=slot, index_slot=index_slot):
+                state.latent[slot, start:end] = latent_BSR[0]
+                state.rope_key[slot, start:end] = rope_BSE[0]
+                if index_slot is not None:
+                    state.indexer_key[index_slot, start:end] = index_BSD[0]
+
+            layers[layer_idx] = PrefixMlaLayer(
+                state.latent[slot, :start],
+                state.rope_key[slot, :start],
+                None if index_slot is None else state.indexer_key[index_slot, :start],
+                on_update=write_mla,
             )
     return StateCache(layers, position_offset=start)
 

@@ -19,7 +19,12 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
-from longstraw.engine.cache import ForkedLinearAttentionLayer, PrefixAttentionLayer, StateCache
+from longstraw.engine.cache import (
+    ForkedLinearAttentionLayer,
+    PrefixAttentionLayer,
+    PrefixMlaLayer,
+    StateCache,
+)
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 
@@ -40,6 +45,10 @@ class PromptCotangent:
     """[L, C, W] fp32: cotangent of the conv tail at the current sweep position."""
     recurrent: torch.Tensor | None
     """[L, H, Dk, Dv] fp32: cotangent of the recurrent state at the current sweep position."""
+    latent: torch.Tensor | None = None
+    """[L, T, R] fp32 cotangent of the MLA latents (GLM-5)."""
+    rope_key: torch.Tensor | None = None
+    """[L, T, E] fp32 cotangent of the MLA rope keys. Indexer keys have none (no_grad indexer)."""
 
     @classmethod
     def zeros_like_state(cls, state: PrefixState) -> PromptCotangent:
@@ -48,10 +57,17 @@ class PromptCotangent:
 
         conv = None if state.conv is None else zeros(state.conv[:, 0])
         recurrent = None if state.recurrent is None else zeros(state.recurrent[:, 0])
-        return cls(zeros(state.keys), zeros(state.values), conv, recurrent)
+        return cls(
+            zeros(state.keys),
+            zeros(state.values),
+            conv,
+            recurrent,
+            zeros(state.latent),
+            zeros(state.rope_key),
+        )
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.conv, self.recurrent)
+        tensors = (self.keys, self.values, self.conv, self.recurrent, self.latent, self.rope_key)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -109,6 +125,18 @@ def branch_cache(
             layers[layer_idx] = ForkedLinearAttentionLayer(
                 conv.unsqueeze(0).expand(batch_size, -1, -1),
                 recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
+            )
+    if spec.mla is not None:
+        mla = spec.mla
+        for slot, layer_idx in enumerate(mla.layer_indices):
+            has_indexer = layer_idx in mla.indexer_layer_indices
+            layers[layer_idx] = PrefixMlaLayer(
+                state.latent[slot],
+                state.rope_key[slot],
+                state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
+                grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
+                grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
+                keep_branch=keep_branch,
             )
     cache = StateCache(layers, position_offset=state.num_tokens)
     return BranchCache(cache, conv_leaves, recurrent_leaves)

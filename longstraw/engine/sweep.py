@@ -22,7 +22,12 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_attention_enabled
-from longstraw.engine.cache import ForkedLinearAttentionLayer, PrefixAttentionLayer, StateCache
+from longstraw.engine.cache import (
+    ForkedLinearAttentionLayer,
+    PrefixAttentionLayer,
+    PrefixMlaLayer,
+    StateCache,
+)
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
@@ -66,8 +71,12 @@ def _sweep_shard(
 
     def capture(kind: str, slot: int) -> Callable[..., None]:
         def record(*tensors: torch.Tensor) -> None:
-            kinds = ("k", "v") if kind == "kv" else (kind,)
-            outputs.extend((k, slot, t) for k, t in zip(kinds, tensors, strict=True))
+            kinds = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}.get(
+                kind, (kind,)
+            )
+            outputs.extend(
+                (k, slot, t) for k, t in zip(kinds, tensors, strict=True) if t is not None
+            )
 
         return record
 
@@ -94,6 +103,19 @@ def _sweep_shard(
                 on_recurrent=capture("recurrent", slot),
             )
 
+    if spec.mla is not None:
+        mla = spec.mla
+        for slot, layer_idx in enumerate(mla.layer_indices):
+            has_indexer = layer_idx in mla.indexer_layer_indices
+            layers[layer_idx] = PrefixMlaLayer(
+                state.latent[slot, :start],
+                state.rope_key[slot, :start],
+                state.indexer_key[mla.indexer_slot(layer_idx), :start] if has_indexer else None,
+                grad_latent_TR=cotangent.latent[slot, :start],
+                grad_rope_TE=cotangent.rope_key[slot, :start],
+                on_update=capture("mla", slot),
+            )
+
     with torch.enable_grad(), prefix_attention_enabled(model):
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
@@ -106,6 +128,15 @@ def _sweep_shard(
         elif kind == "v":
             stored, cot = state.values[slot, start:end], cotangent.values[slot, start:end]
             recomputed = tensor[0].transpose(0, 1)
+        elif kind in ("latent", "rope_key"):
+            stored = getattr(state, kind)[slot, start:end]
+            cot = getattr(cotangent, kind)[slot, start:end]
+            recomputed = tensor[0]
+        elif kind == "indexer_key":
+            # No cotangent: the indexer runs under no_grad (checked, never backpropagated).
+            layer_idx = spec.mla.layer_indices[slot]
+            stored = state.indexer_key[spec.mla.indexer_slot(layer_idx), start:end]
+            cot, recomputed = None, tensor[0]
         elif kind == "conv":
             stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]
             recomputed = tensor[0]
