@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
-import numpy as np
 
 from longstraw.schemas.storage import ChunkDigest
 from longstraw.storage.codec import chunk_key, sha256_hex
@@ -35,18 +34,32 @@ def make_pool() -> ThreadPoolExecutor:
 class ChunkPayload:
     array: str
     index: tuple[int, ...]
-    data: np.ndarray
-    """Contiguous stored-dtype values of the whole (padded) chunk."""
+    pieces: list[memoryview]
+    """The whole (padded) chunk's bytes in C order, in pieces (no copy of the caller's tensor)."""
+    nbytes: int
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for piece in self.pieces:
+            h.update(piece)
+        return h.hexdigest()
 
 
-def _write_object(fs: fsspec.AbstractFileSystem, path: str, data: np.ndarray) -> None:
-    view = memoryview(data).cast("B")
+def _write_object(fs: fsspec.AbstractFileSystem, path: str, payload: ChunkPayload) -> str:
+    """Write one chunk object and return the sha256 of its bytes, hashing each piece right
+    after writing it (still in cache); chunks run in parallel, so hashing overlaps I/O."""
+    h = hashlib.sha256()
     if is_local(fs):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(view)
+            for piece in payload.pieces:
+                f.write(piece)
+                h.update(piece)
     else:
-        fs.pipe_file(path, bytes(view))
+        data = b"".join(payload.pieces)  # one PUT per chunk: S3 objects are written whole
+        h.update(data)
+        fs.pipe_file(path, data)
+    return h.hexdigest()
 
 
 def write_chunks(
@@ -57,27 +70,19 @@ def write_chunks(
 ) -> list[ChunkDigest]:
     """Write every payload under zarr_path, check each object exists with the right size, and
     return the sha256 of each payload's bytes (the bytes just written)."""
-    hashes: list[Future] = []
-    writes: list[Future] = []
-    for p in payloads:
-        path = f"{zarr_path}/{chunk_key(p.array, p.index)}"
-        hashes.append(pool.submit(sha256_hex, memoryview(p.data).cast("B")))
-        writes.append(pool.submit(_write_object, fs, path, p.data))
-    for w in writes:
-        w.result()
-    sizes = object_sizes(fs, [f"{zarr_path}/{chunk_key(p.array, p.index)}" for p in payloads])
+    paths = [f"{zarr_path}/{chunk_key(p.array, p.index)}" for p in payloads]
+    writes = [
+        pool.submit(_write_object, fs, path, p) for path, p in zip(paths, payloads, strict=True)
+    ]
+    hashes = [w.result() for w in writes]
+    sizes = object_sizes(fs, paths)
     digests = []
     for p, h, size in zip(payloads, hashes, sizes, strict=True):
-        if size != p.data.nbytes:
+        if size != p.nbytes:
             raise ChunkChecksumError(
-                p.array,
-                p.index,
-                zarr_path,
-                f"written object has {size} bytes, expected {p.data.nbytes}",
+                p.array, p.index, zarr_path, f"written object has {size} bytes, expected {p.nbytes}"
             )
-        digests.append(
-            ChunkDigest(array=p.array, index=p.index, nbytes=p.data.nbytes, sha256=h.result())
-        )
+        digests.append(ChunkDigest(array=p.array, index=p.index, nbytes=p.nbytes, sha256=h))
     return digests
 
 

@@ -183,7 +183,7 @@ class StateWriter:
         existing = self._read_shard_manifest(k)
         if existing is not None:
             # Recorded already (a concurrent or earlier writer): hash only, no write.
-            ours = {(p.array, p.index): sha256_hex(memoryview(p.data).cast("B")) for p in payloads}
+            ours = {(p.array, p.index): p.sha256() for p in payloads}
             return self._adopt(k, existing, ours)
         if not self._arrays_created:
             create_attempt_arrays(self.zarr_uri, self.layout, self.config)
@@ -241,7 +241,9 @@ class StateWriter:
                     f"token_slices[{a.name!r}]: shape {tuple(t.shape)}, shard {k} needs {want}"
                 )
             block = tensor_to_stored(t, a)
-            payloads += [ChunkPayload(a.name, i, d) for i, d in split_layer_chunks(a, block, k, st)]
+            payloads += [
+                ChunkPayload(a.name, i, p, n) for i, p, n in split_layer_chunks(a, block, k, st)
+            ]
         for a in ckpt_specs:
             entries = [(k + 1, checkpoints[a.name])]
             if k == 0:
@@ -254,7 +256,7 @@ class StateWriter:
                     )
                 block = tensor_to_stored(t, a)[:, None]
                 payloads += [
-                    ChunkPayload(a.name, i, d) for i, d in split_layer_chunks(a, block, s, st)
+                    ChunkPayload(a.name, i, p, n) for i, p, n in split_layer_chunks(a, block, s, st)
                 ]
         return payloads
 

@@ -1,0 +1,301 @@
+"""Prompt-state storage throughput: 1 GiB of bf16 token arrays written and read through
+longstraw.storage, each as a ratio against a raw fsspec write/read of the same bytes (same object
+sizes) in the same run, on local disk and on a loopback S3 server (moto, started and stopped here);
+plus how much of the write time a BackgroundStateWriter hides behind per-shard compute.
+
+    .venv/bin/python bench/bench_storage.py [--gib 1.0] [--repeats 2] [--out bench/results/storage.json]
+
+ratio = raw seconds / longstraw seconds (>= 0.8 is the target: hashing, manifests and commit cost
+at most a fifth of the I/O). Each timing is the best of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import torch
+
+from longstraw.schemas.storage import ArraySpec, StateKey, StateLayout, StorageConfig
+from longstraw.storage import BackgroundStateWriter, open_committed_state, open_state_writer
+from longstraw.storage.paths import filesystem
+
+# Qwen3.5-like full-attention K/V: 16 layers x 4 kv heads x 128 dims in bf16 = 16 KiB/token/array.
+LAYERS, KV_HEADS, HEAD_DIM = 16, 4, 128
+SHARD_TOKENS = 4096  # 64 MiB chunks: large objects, as at real scale
+
+
+def make_state(gib: float) -> tuple[StateLayout, dict[str, torch.Tensor]]:
+    per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # k and v, bf16
+    num_tokens = int(gib * 2**30) // per_token
+    arrays = [
+        ArraySpec(
+            name=f"full_attention/{n}",
+            kind="token",
+            shape=(LAYERS, num_tokens, KV_HEADS, HEAD_DIM),
+            dtype="bfloat16",
+        )
+        for n in ("k", "v")
+    ]
+    layout = StateLayout.build(arrays, num_tokens=num_tokens, shard_tokens=SHARD_TOKENS)
+    g = torch.Generator().manual_seed(42)
+    state = {a.name: torch.randn(a.shape, generator=g).to(torch.bfloat16) for a in arrays}
+    return layout, state
+
+
+def shard_slices(layout, state, k):
+    start, end = layout.shard_range(k)
+    return {n: t[:, start:end] for n, t in state.items()}
+
+
+def raw_objects(layout, state) -> list[bytes]:
+    """The same bytes as the chunk objects, one per (array, shard)."""
+    out = []
+    for k in range(layout.num_shards):
+        for t in shard_slices(layout, state, k).values():
+            out.append(t.contiguous().view(torch.uint16).numpy().tobytes())
+    return out
+
+
+def timed(fn) -> float:
+    # Start every timing with no dirty pages left from the previous one: otherwise kernel
+    # writeback of earlier runs lands in whichever timing comes next.
+    os.sync()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def best_interleaved(fns, repeats) -> list[float]:
+    """Best time of each fn over `repeats` rounds, alternating fns inside each round."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            times[i].append(timed(fn))
+    return [min(t) for t in times]
+
+
+def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
+    fs, root = filesystem(root_uri)
+    objects = raw_objects(layout, state)
+    nbytes = sum(len(o) for o in objects)
+
+    def raw_write():
+        if hasattr(raw_write, "base"):
+            fs.rm(raw_write.base, recursive=True)
+        base = f"{root}/raw-{uuid.uuid4().hex}"
+        fs.makedirs(base, exist_ok=True)
+        # pipe() with a dict: concurrent on S3 (s3fs batches), sequential on local disk.
+        fs.pipe({f"{base}/{i}": o for i, o in enumerate(objects)})
+        raw_write.base = base
+
+    def our_write():
+        if hasattr(our_write, "ref"):
+            fs.rm(filesystem(our_write.ref.uri)[1], recursive=True)
+        key = StateKey.policy("bench", 0, "w", uuid.uuid4().hex)
+        w = open_state_writer(StorageConfig(root_uri=root_uri), key, layout)
+        for k in range(layout.num_shards):
+            w.write_shard(k, shard_slices(layout, state, k), {})
+        our_write.ref = w.commit(cache=None)
+        w.close()
+
+    t_raw_w, t_our_w = best_interleaved([raw_write, our_write], repeats)
+    paths = [f"{raw_write.base}/{i}" for i in range(len(objects))]
+
+    def raw_read():
+        data = fs.cat(paths)
+        assert sum(len(v) for v in data.values()) == nbytes
+
+    def our_read():
+        got = open_committed_state(
+            our_write.ref, expect_weights_digest="w", expect_policy_version=0, cache=None
+        )
+        assert got.tensors["full_attention/k"].shape == state["full_attention/k"].shape
+
+    t_raw_r, t_our_r = best_interleaved([raw_read, our_read], repeats)
+    got = open_committed_state(
+        our_write.ref, expect_weights_digest="w", expect_policy_version=0, cache=None
+    )
+    bitwise = all(
+        torch.equal(got.tensors[n].view(torch.int16), state[n].view(torch.int16)) for n in state
+    )
+    mbps = lambda s: nbytes / s / 1e6  # noqa: E731
+    return {
+        "bytes": nbytes,
+        "objects": len(objects),
+        "raw_write_s": t_raw_w,
+        "longstraw_write_s": t_our_w,
+        "write_ratio": t_raw_w / t_our_w,
+        "raw_read_s": t_raw_r,
+        "longstraw_read_s": t_our_r,
+        "read_ratio": t_raw_r / t_our_r,
+        "raw_write_MBps": mbps(t_raw_w),
+        "longstraw_write_MBps": mbps(t_our_w),
+        "raw_read_MBps": mbps(t_raw_r),
+        "longstraw_read_MBps": mbps(t_our_r),
+        "read_back_bitwise": bitwise,
+    }
+
+
+def bench_overlap(root_uri: str, layout, state, compute_s: float) -> dict:
+    """Prefill loop: per shard, `compute_s` of single-threaded matmuls, then hand the shard over."""
+    torch.set_num_threads(1)  # one core computes, the other persists
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ a
+        n += 1
+    matmuls_per_shard = max(1, int(n * compute_s / 0.2))
+
+    def compute():
+        for _ in range(matmuls_per_shard):
+            a @ a
+
+    def run(background: bool) -> float:
+        key = StateKey.policy("bench", 1, "w", uuid.uuid4().hex)
+        w = open_state_writer(StorageConfig(root_uri=root_uri), key, layout)
+        if background:
+            w = BackgroundStateWriter(w)
+        t = time.perf_counter()
+        for k in range(layout.num_shards):
+            compute()
+            w.write_shard(k, shard_slices(layout, state, k), {})
+        w.commit(cache=None)
+        elapsed = time.perf_counter() - t
+        w.close()
+        return elapsed
+
+    t_compute = time.perf_counter()
+    for _ in range(layout.num_shards):
+        compute()
+    t_compute = time.perf_counter() - t_compute
+    t_sync = run(False)
+    t_bg = run(True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    write_s = t_sync - t_compute
+    return {
+        "compute_only_s": t_compute,
+        "synchronous_s": t_sync,
+        "background_s": t_bg,
+        "speedup": t_sync / t_bg,
+        "write_time_hidden_fraction": (t_sync - t_bg) / write_s if write_s > 0 else None,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    exe = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not come up on loopback") from None
+            time.sleep(0.1)
+    return proc, endpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "storage.json"))
+    args = parser.parse_args()
+
+    layout, state = make_state(args.gib)
+    results = {
+        "what": "longstraw.storage vs raw fsspec, bf16 K/V token arrays, one 64 MiB chunk per (array, shard)",
+        "state_bytes": layout.nbytes,
+        "num_tokens": layout.num_tokens,
+        "num_shards": layout.num_shards,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }
+    local_root = tempfile.mkdtemp(prefix="longstraw-bench-", dir=os.environ.get("BENCH_TMP"))
+    moto, endpoint = None, None
+    try:
+        print(
+            f"state: {layout.nbytes / 2**30:.2f} GiB, {layout.num_tokens} tokens, {layout.num_shards} shards"
+        )
+        results["local"] = bench_backend(local_root, layout, state, args.repeats)
+        print_backend("local", results["local"])
+        moto, endpoint = start_moto()
+        os.environ.update(
+            AWS_ENDPOINT_URL_S3=endpoint,
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        fs, _ = filesystem("s3://longstraw-bench")
+        fs.mkdir("longstraw-bench")
+        results["s3_moto_loopback"] = bench_backend(
+            "s3://longstraw-bench/run", layout, state, args.repeats
+        )
+        print_backend("s3 (moto, loopback)", results["s3_moto_loopback"])
+        # Compute per shard ~ the synchronous write time per shard: the case overlap is for.
+        per_shard = results["local"]["longstraw_write_s"] / layout.num_shards
+        results["overlap_local"] = bench_overlap(local_root, layout, state, compute_s=per_shard)
+        print_overlap("local", results["overlap_local"])
+        per_shard = results["s3_moto_loopback"]["longstraw_write_s"] / layout.num_shards
+        results["overlap_s3"] = bench_overlap(
+            "s3://longstraw-bench/overlap", layout, state, compute_s=per_shard
+        )
+        print_overlap("s3", results["overlap_s3"])
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+        if moto is not None:
+            moto.terminate()
+            moto.wait(timeout=30)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def print_backend(name: str, r: dict) -> None:
+    print(
+        f"{name:>20}: write {r['longstraw_write_MBps']:.0f} MB/s vs raw {r['raw_write_MBps']:.0f} MB/s "
+        f"(ratio {r['write_ratio']:.2f}); read+verify {r['longstraw_read_MBps']:.0f} MB/s vs raw "
+        f"{r['raw_read_MBps']:.0f} MB/s (ratio {r['read_ratio']:.2f}); bitwise {r['read_back_bitwise']}"
+    )
+
+
+def print_overlap(name: str, r: dict) -> None:
+    print(
+        f"{'overlap ' + name:>20}: compute {r['compute_only_s']:.2f} s, synchronous {r['synchronous_s']:.2f} s, "
+        f"background {r['background_s']:.2f} s (x{r['speedup']:.2f}, "
+        f"{100 * (r['write_time_hidden_fraction'] or 0):.0f} % of write time hidden)"
+    )
+
+
+if __name__ == "__main__":
+    main()
