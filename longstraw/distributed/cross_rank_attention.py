@@ -50,7 +50,6 @@ ATTENTION_NAME = "longstraw_sharded"
 CHUNK_TOKENS = 1024
 # Header ops broadcast by the owner before each exchange.
 OP_FORWARD, OP_BACKWARD, OP_DONE = 0, 1, 2
-HEADER_LEN = 6  # op, B, H, R, D, V
 
 
 class CommStats:
@@ -81,6 +80,7 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
         *,
         group: dist.ProcessGroup | None,
         owner: int | None,
+        slot: int = 0,
         grad_k_TKD: Tensor | None = None,
         grad_v_TKD: Tensor | None = None,
         on_update=None,
@@ -94,6 +94,8 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
         )
         self.group = group
         self.owner = owner
+        # Storage slot of this full-attention layer: names it in the owner's headers.
+        self.slot = slot
 
 
 def _pack(out_BHRV: Tensor, lse_BHR: Tensor) -> Tensor:
@@ -122,7 +124,8 @@ def _all_reduce(t: Tensor, group) -> Tensor:
     return t
 
 
-def _header(op: int, shape: tuple[int, ...] = (0, 0, 0, 0, 0)) -> Tensor:
+def _header(op: int, shape: tuple[int, ...] = (0, 0, 0, 0, 0, 0)) -> Tensor:
+    """[op, slot, B, H, R, D, V]: what the owner's next exchange is."""
     return torch.tensor([op, *shape], dtype=torch.int64)
 
 
@@ -135,7 +138,7 @@ class _CrossRankAttention(torch.autograd.Function):
         value_dim = v_BKRV.shape[-1]
         if layer.owner is not None:
             _broadcast(
-                _header(OP_FORWARD, (batch, heads, length, dim, value_dim)),
+                _header(OP_FORWARD, (layer.slot, batch, heads, length, dim, value_dim)),
                 layer.owner,
                 layer.group,
             )
@@ -165,7 +168,7 @@ class _CrossRankAttention(torch.autograd.Function):
         if layer.owner is not None:
             batch, heads, length, dim = q_s.shape
             _broadcast(
-                _header(OP_BACKWARD, (batch, heads, length, dim, out_BHRV.shape[-1])),
+                _header(OP_BACKWARD, (layer.slot, batch, heads, length, dim, out_BHRV.shape[-1])),
                 layer.owner,
                 layer.group,
             )
@@ -196,31 +199,30 @@ def serve_owner(
 ) -> int:
     """Serve an owner's forward (and backward) until it says done; returns exchanges served.
 
-    Lists are per full-attention layer, in forward order: the prefix this rank contributes (all
+    Lists are indexed by full-attention storage slot: the prefix this rank contributes (all
     of its positions if it is before the owner, none if after) and, for a backward, its
-    cotangent slices. Forward headers arrive in layer order; backward headers in reverse.
+    cotangent slices.
     """
-    layer_fwd = 0
-    saved_q: list[Tensor] = []
+    saved_q: dict[int, Tensor] = {}
     served = 0
     while True:
         header = _broadcast(_header(OP_DONE), owner, group)
-        op, batch, heads, length, dim, value_dim = (int(x) for x in header)
+        op, slot, batch, heads, length, dim, value_dim = (int(x) for x in header)
         if op == OP_DONE:
             return served
         served += 1
         if op == OP_FORWARD:
             q_s = _broadcast(torch.empty(batch, heads, length, dim), owner, group)
             out_p, lse_p = prefix_partial(
-                q_s, prefix_k_TKD[layer_fwd], prefix_v_TKD[layer_fwd], chunk_size=CHUNK_TOKENS
+                q_s, prefix_k_TKD[slot], prefix_v_TKD[slot], chunk_size=CHUNK_TOKENS
             )
             _gather_partials(out_p, lse_p, group)
-            saved_q.append(q_s)
-            layer_fwd += 1
+            saved_q[slot] = q_s
         else:
             assert op == OP_BACKWARD, f"unknown op {op} from the owner"
-            layer = len(saved_q) - 1
-            q_s = saved_q.pop()
+            # Autograd may skip a layer (nothing downstream needs it): the header names the slot.
+            layer = slot
+            q_s = saved_q.pop(slot)
             packed = _broadcast(torch.empty(batch, heads, length, value_dim + 2), owner, group)
             grad_q_s = prefix_partial_backward(
                 q_s, packed[..., :value_dim], packed[..., value_dim], packed[..., value_dim + 1],

@@ -76,6 +76,7 @@ def owner_cache(
                 state.values[slot, :end],
                 group=group,
                 owner=state.rank,
+                slot=slot,
                 grad_k_TKD=None if cotangent is None else cotangent.keys[slot, :end],
                 grad_v_TKD=None if cotangent is None else cotangent.values[slot, :end],
                 on_update=None if kv_hook is None else kv_hook(slot),

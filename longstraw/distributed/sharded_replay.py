@@ -1,0 +1,248 @@
+"""Branch replay and exact reverse sweep over a sequence-sharded prompt state.
+
+Replay (replicated): every rank runs the same branch forward and backward; its full-attention
+layers read the prefix through the cross-rank attention (partials all-gathered, dq all-reduced),
+so each rank's prompt-state cotangent dS stays local: rank r accumulates dK/dV only for the
+positions it holds. The Gated DeltaNet layers start from the final state every rank keeps.
+
+Reverse sweep (exact mode): global shards last to first; the owner recomputes its shard with
+autograd through the cross-rank attention in owner mode, checks it bitwise against its stored
+slice, and backpropagates; every other rank serves, adding the cotangent for ITS positions that
+the shard's queries read into its own dS slice (so contributions for earlier ranks' K/V land on
+those ranks without moving K/V). At an ownership boundary the cotangent of the linear-attention
+start state is broadcast back to the previous owner, whose last shard's end state it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from longstraw.distributed.cross_rank_attention import (
+    CrossRankAttentionLayer,
+    cross_rank_attention_enabled,
+    finish_owner,
+    serve_owner,
+)
+from longstraw.distributed.sharded_prefill import owner_cache, serving_prefixes
+from longstraw.distributed.sharded_state import ShardedPrefixState
+from longstraw.engine.attention import CACHE_KWARG
+from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
+from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.replay import PromptCotangent, token_logprobs
+from longstraw.engine.sweep import StateMismatchError
+
+
+def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
+    """fp32 dS for this rank's slice: K/V of its positions, and the linear state (constant)."""
+
+    def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+    return PromptCotangent(
+        zeros(state.keys),
+        zeros(state.values),
+        zeros(state.final_conv),
+        zeros(state.final_recurrent),
+    )
+
+
+class ShardedBranch:
+    """One branch's cache on this rank and the linear-attention leaves it forked (exact mode)."""
+
+    def __init__(self, state: ShardedPrefixState, cotangent: PromptCotangent | None, group) -> None:
+        spec = state.spec
+        layers: list = [None] * spec.num_layers
+        self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if spec.full_attention is not None:
+            for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+                layers[layer_idx] = CrossRankAttentionLayer(
+                    state.keys[slot],
+                    state.values[slot],
+                    group=group,
+                    owner=None,
+                    grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
+                    grad_v_TKD=None if cotangent is None else cotangent.values[slot],
+                )
+        if spec.linear_attention is not None:
+            for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+                conv, recurrent = state.final_conv[slot], state.final_recurrent[slot]
+                if cotangent is not None:
+                    conv = conv.detach().requires_grad_(True)
+                    recurrent = recurrent.detach().requires_grad_(True)
+                    self.leaves[slot] = (conv, recurrent)
+                layers[layer_idx] = ForkedLinearAttentionLayer(
+                    conv.unsqueeze(0), recurrent.unsqueeze(0)
+                )
+        self.cache = StateCache(layers, position_offset=state.num_tokens)
+
+    def add_leaf_grads_into(self, cotangent: PromptCotangent) -> None:
+        for slot, (conv, recurrent) in self.leaves.items():
+            if conv.grad is not None:
+                cotangent.conv[slot] += conv.grad.float()
+            if recurrent.grad is not None:
+                cotangent.recurrent[slot] += recurrent.grad.float()
+
+
+def sharded_branch_logprobs(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    response_ids: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    cotangent: PromptCotangent | None = None,
+) -> tuple[torch.Tensor, ShardedBranch]:
+    """[R] fp32 log-probs of the response, the same bits on every rank; call on all ranks.
+
+    With `cotangent`, the backward adds this rank's slice of dS; then call
+    `branch.add_leaf_grads_into(cotangent)` for the linear-attention part.
+    """
+    branch = ShardedBranch(state, cotangent, group)
+    response = response_ids.to(model.device)
+    last = torch.tensor([state.last_token_id], dtype=torch.long, device=model.device)
+    input_ids = torch.cat([last, response[:-1]]).unsqueeze(0)
+    position_ids = torch.arange(
+        state.num_tokens, state.num_tokens + input_ids.shape[1], device=model.device
+    ).unsqueeze(0)
+    with cross_rank_attention_enabled(model):
+        logits = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache=branch.cache,
+            use_cache=True,
+            **{CACHE_KWARG: branch.cache},
+        ).logits
+    return token_logprobs(logits, response.unsqueeze(0), temperature)[0], branch
+
+
+def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
+    if not torch.equal(recomputed.detach(), stored):
+        diff = (recomputed.detach().float() - stored.float()).abs()
+        raise StateMismatchError(
+            f"shard {shard}: recomputed {name} differs from this rank's stored state "
+            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
+            "recompute the sharded prefill with the same weights, dtype, ranks and shard size"
+        )
+
+
+def _sweep_owned_shard(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    cotangent: PromptCotangent,
+    shard: int,
+    group,
+) -> None:
+    """Recompute `shard` (owned here) with autograd, check it, backpropagate its cotangents."""
+    start, end = state.bounds[shard]
+    offset = state.token_start
+    local = shard - state.shards[0]
+    outputs: list[tuple[str, int, torch.Tensor]] = []
+
+    def kv_hook(slot: int):
+        def record(k_BKSD, v_BKSD):
+            outputs.extend((("k", slot, k_BKSD), ("v", slot, v_BKSD)))
+
+        return record
+
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def linear_leaf(slot: int, local_index: int) -> ForkedLinearAttentionLayer:
+        conv = state.conv[slot, local_index].detach().requires_grad_(True)
+        recurrent = state.recurrent[slot, local_index].detach().requires_grad_(True)
+        leaves[slot] = (conv, recurrent)
+        return ForkedLinearAttentionLayer(
+            conv.unsqueeze(0),
+            recurrent.unsqueeze(0),
+            on_conv=lambda t, slot=slot: outputs.append(("conv", slot, t)),
+            on_recurrent=lambda t, slot=slot: outputs.append(("recurrent", slot, t)),
+        )
+
+    with torch.enable_grad(), cross_rank_attention_enabled(model):
+        cache = owner_cache(
+            state,
+            shard,
+            group=group,
+            kv_hook=kv_hook,
+            linear_layers=linear_leaf,
+            cotangent=cotangent,
+        )
+        run_shard_forward(model, state.prompt_ids, cache, start, end)
+
+    tensors, grads = [], []
+    for kind, slot, tensor in outputs:
+        if kind in ("k", "v"):
+            stored_all = state.keys if kind == "k" else state.values
+            cot_all = cotangent.keys if kind == "k" else cotangent.values
+            stored = stored_all[slot, start - offset : end - offset]
+            cot = cot_all[slot, start - offset : end - offset]
+            recomputed = tensor[0].transpose(0, 1)
+        else:
+            stored = getattr(state, kind)[slot, local + 1]
+            cot = getattr(cotangent, kind)[slot]
+            recomputed = tensor[0]
+        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
+        if recomputed.requires_grad:
+            tensors.append(recomputed)
+            grads.append(cot.to(recomputed.dtype))
+    if tensors:
+        with cross_rank_attention_enabled(model):
+            torch.autograd.backward(tensors, grads)
+    for slot, (conv, recurrent) in leaves.items():
+        cotangent.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()
+        cotangent.recurrent[slot] = 0.0 if recurrent.grad is None else recurrent.grad.float()
+
+
+def _hand_back_linear_cotangent(
+    state: ShardedPrefixState, cotangent: PromptCotangent, shard: int, group
+) -> None:
+    """After sweeping `shard`: if it starts its owner's range, its start-state cotangent is the
+    end-state cotangent of the previous owner's last shard; send it there."""
+    if cotangent.conv is None or shard == 0:
+        return
+    owner, previous = state.owner_of(shard), state.owner_of(shard - 1)
+    if owner == previous:
+        return
+    for name in ("conv", "recurrent"):
+        buffer = getattr(cotangent, name)
+        incoming = buffer if state.rank == owner else torch.empty_like(buffer)
+        dist.broadcast(incoming, src=owner, group=group)
+        if state.rank == previous:
+            buffer.copy_(incoming)
+
+
+def sharded_sweep(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    cotangent: PromptCotangent,
+    *,
+    group: dist.ProcessGroup | None = None,
+    after_shard: Callable[[int], None] | None = None,
+) -> None:
+    """Backpropagate dS through every prefill shard, last to first; call on every rank.
+
+    Parameter gradients land in `.grad` on the rank that owns each shard. The linear-attention
+    part of `cotangent` must be the final-state cotangent on the last rank (replay leaves it
+    there; the copies on other ranks are discarded here).
+    """
+    if cotangent.conv is not None and state.rank != state.world_size - 1:
+        # Every rank replayed the same branches; only the last rank's copy is the real dS.
+        cotangent.conv.zero_()
+        cotangent.recurrent.zero_()
+    with cross_rank_attention_enabled(model):
+        for shard in reversed(range(state.num_shards)):
+            owner = state.owner_of(shard)
+            if owner == state.rank:
+                _sweep_owned_shard(model, state, cotangent, shard, group)
+                finish_owner(owner, group)
+                if after_shard is not None:
+                    after_shard(shard)
+            else:
+                keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
+                serve_owner(
+                    owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values
+                )
+            _hand_back_linear_cotangent(state, cotangent, shard, group)
