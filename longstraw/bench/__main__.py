@@ -1,0 +1,3 @@
+from longstraw.bench.cli import bench_app
+
+bench_app()

@@ -1,0 +1,281 @@
+"""One step of each benchmarked method, run inside the current process (the worker's).
+
+Legend: P prompt tokens, G responses, R_i response tokens, V vocabulary.
+
+- `longstraw_step`: `accumulate_group_gradients` from prompt ids (prefill included), exact or
+  detached prompt gradient.
+- `full_sequence_step`: what TRL, verl and OpenRLHF do without sequence parallelism: each
+  prompt+response sequence through the transformers model with autograd and gradient
+  checkpointing, log-probs of the completion tokens only (`logits_to_keep`, as TRL's
+  `_get_per_token_logps_and_entropies`), the group's GRPO loss, backward. Micro-batch 1 (gradient
+  accumulation over the group), the most memory-frugal way to run it; `measured_sequences` of
+  the G sequences are run and the time is scaled linearly to G.
+- `trl_step`: TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch (optional).
+- `prefill_step` / `hf_forward_step`: the prompt alone, LongStraw's sharded no-grad prefill against
+  transformers' plain forward at its best settings (no grad, sdpa, `logits_to_keep=1`, no cache).
+- `naive_group_gradient`: the reference gradient, full-sequence autograd over the whole group
+  without checkpointing, TRL's batched loss (`group_loss`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.bench.workload import Batch, BenchSpec
+from longstraw.engine.group import accumulate_group_gradients
+from longstraw.engine.prefill import prefill
+from longstraw.grpo.losses import branch_loss, group_loss, sequence_weights
+from longstraw.schemas.grpo import GRPOConfig
+
+# TRL's defaults (loss_type "dapo", beta 0, epsilon 0.2): what a user gets without tuning.
+LOSS_CONFIG = GRPOConfig()
+
+
+def kv_fp32_bytes(model: PreTrainedModel, prompt_tokens: int) -> int:
+    """fp32 bytes of the K/V part of the prompt state (the size of exact mode's cotangent dS)."""
+    from longstraw.models.adapters import state_spec
+
+    fa = state_spec(model).full_attention
+    if fa is None:
+        return 0
+    per_token = len(fa.layer_indices) * fa.num_kv_heads * (fa.head_dim + fa.value_head_dim)
+    return per_token * (prompt_tokens - 1) * 4
+
+
+def longstraw_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, mode: str) -> dict:
+    started = time.perf_counter()
+    stats = accumulate_group_gradients(
+        model,
+        batch.prompt_ids,
+        batch.responses,
+        batch.advantages,
+        LOSS_CONFIG,
+        shard_tokens=spec.shard_tokens,
+        prompt_grad=mode,
+    )
+    seconds = time.perf_counter() - started
+    return {
+        "step_s": seconds,
+        "stages_s": stats.seconds.model_dump(),
+        "loss": stats.loss,
+        "state_bytes": stats.state_bytes,
+        "checkpoint_bytes": stats.checkpoint_bytes,
+        "cotangent_bytes": stats.cotangent_bytes,
+    }
+
+
+def completion_logprobs(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, response_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """[R] fp32 log-probs of the response tokens from one prompt+response forward (TRL's way)."""
+    num = response_ids.numel()
+    input_ids = torch.cat([prompt_ids, response_ids]).unsqueeze(0).to(model.device)
+    # TRL keeps num+1 logits and drops the last: position t predicts token t+1.
+    logits = model(input_ids=input_ids, logits_to_keep=num + 1, use_cache=False).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, response_ids.view(1, -1, 1).to(logp.device)).view(num)
+
+
+def full_sequence_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
+    model.gradient_checkpointing_enable()
+    # Checkpointing only recomputes in training mode; the model has no dropout.
+    model.train()
+    lengths = [r.numel() for r in batch.responses]
+    weights = sequence_weights(LOSS_CONFIG.loss_type, lengths, LOSS_CONFIG)
+    measured = min(spec.measured_sequences, spec.group_size)
+    loss_total = 0.0
+    started = time.perf_counter()
+    for i in range(measured):
+        logp = completion_logprobs(
+            model, batch.prompt_ids, batch.responses[i], LOSS_CONFIG.temperature
+        )
+        loss, _ = branch_loss(logp, None, float(batch.advantages[i]), weights[i], LOSS_CONFIG)
+        loss.backward()
+        loss_total += float(loss.detach())
+        del logp, loss
+    seconds = time.perf_counter() - started
+    return {
+        "measured_s": seconds,
+        "measured_sequences": measured,
+        # Scaled linearly to the group: each sequence costs the same up to +-5 response tokens.
+        "step_s": seconds * spec.group_size / measured,
+        "step_s_scaled": measured < spec.group_size,
+        "loss_measured_sequences": loss_total,
+    }
+
+
+def _trl_trainer(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str):
+    """A real TRL 1.16 GRPOTrainer around `model` (no generation: `_compute_loss` only)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    args = TRLConfig(
+        output_dir=work_dir,
+        per_device_train_batch_size=spec.group_size,
+        num_generations=spec.group_size,
+        max_completion_length=max(r.numel() for r in batch.responses),
+        loss_type=LOSS_CONFIG.loss_type,
+        beta=LOSS_CONFIG.beta,
+        epsilon=LOSS_CONFIG.epsilon,
+        gradient_checkpointing=True,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_strategy="no",
+        save_strategy="no",
+    )
+    dataset = Dataset.from_dict({"prompt": ["x"] * spec.group_size})
+    tokenizer = AutoTokenizer.from_pretrained(spec.checkpoint)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+
+
+def trl_inputs(spec: BenchSpec, batch: Batch, indices: list[int]) -> dict:
+    """TRL's `_compute_loss` inputs for the sequences `indices` of the batch (right-padded)."""
+    num = max(batch.responses[i].numel() for i in indices)
+    completion = torch.zeros(len(indices), num, dtype=torch.long)
+    mask = torch.zeros(len(indices), num, dtype=torch.long)
+    for row, i in enumerate(indices):
+        completion[row, : batch.responses[i].numel()] = batch.responses[i]
+        mask[row, : batch.responses[i].numel()] = 1
+    prompt = batch.prompt_ids.unsqueeze(0).expand(len(indices), -1)
+    return {
+        "prompt_ids": prompt,
+        "prompt_mask": torch.ones_like(prompt),
+        "completion_ids": completion,
+        "completion_mask": mask,
+        "advantages": batch.advantages[indices],
+        # dapo: tokens of the whole group, as TRL counts them over the generation batch.
+        "num_items_in_batch": torch.tensor(float(sum(r.numel() for r in batch.responses))),
+    }
+
+
+def trl_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str) -> dict:
+    """TRL's loss path, micro-batches of one sequence (gradient accumulation over the group)."""
+    trainer = _trl_trainer(model, spec, batch, work_dir)
+    model.gradient_checkpointing_enable()
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    measured = min(spec.measured_sequences, spec.group_size)
+    loss_total = 0.0
+    started = time.perf_counter()
+    for i in range(measured):
+        loss = trainer._compute_loss(model, trl_inputs(spec, batch, [i]))
+        loss.backward()
+        loss_total += float(loss.detach())
+    seconds = time.perf_counter() - started
+    return {
+        "measured_s": seconds,
+        "measured_sequences": measured,
+        "step_s": seconds * spec.group_size / measured,
+        "step_s_scaled": measured < spec.group_size,
+        "loss_measured_sequences": loss_total,
+    }
+
+
+def prefill_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
+    started = time.perf_counter()
+    state = prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)
+    seconds = time.perf_counter() - started
+    return {
+        "step_s": seconds,
+        "tokens_per_s": state.num_tokens / seconds,
+        "state_bytes": state.state_bytes(),
+        "checkpoint_bytes": state.checkpoint_bytes(),
+    }
+
+
+def hf_forward_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    input_ids = batch.prompt_ids[:-1].unsqueeze(0).to(model.device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=input_ids, logits_to_keep=1, use_cache=False)
+    seconds = time.perf_counter() - started
+    return {"step_s": seconds, "tokens_per_s": input_ids.shape[1] / seconds}
+
+
+def flat_grad(model: PreTrainedModel) -> torch.Tensor:
+    """[N] fp32 gradient of every trainable parameter (zeros where none), then cleared."""
+    parts = []
+    for p in model.parameters():
+        if p.requires_grad:
+            g = torch.zeros(p.numel()) if p.grad is None else p.grad.detach().float().flatten()
+            parts.append(g.cpu())
+            p.grad = None
+    return torch.cat(parts)
+
+
+def naive_group_gradient(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, float]:
+    """The exact full-sequence gradient: every sequence's graph at once, TRL's batched loss."""
+    model.eval()
+    logps = [
+        completion_logprobs(model, batch.prompt_ids, r, LOSS_CONFIG.temperature)
+        for r in batch.responses
+    ]
+    num = max(r.numel() for r in batch.responses)
+    logp_GT = torch.zeros(len(logps), num)
+    mask_GT = torch.zeros(len(logps), num)
+    for i, lp in enumerate(logps):
+        logp_GT = logp_GT.index_put((torch.tensor([i]), torch.arange(lp.numel())), lp)
+        mask_GT[i, : lp.numel()] = 1.0
+    loss, _ = group_loss(logp_GT, None, batch.advantages, mask_GT, LOSS_CONFIG)
+    loss.backward()
+    return flat_grad(model), float(loss.detach())
+
+
+def compare(grad: torch.Tensor, reference: torch.Tensor) -> dict:
+    # float64: an fp32 cosine of 29M-element vectors rounds to values above 1.
+    grad, reference = grad.double(), reference.double()
+    diff = grad - reference
+    return {
+        "cosine": float(torch.nn.functional.cosine_similarity(grad, reference, dim=0)),
+        "relative_error": float(diff.norm() / reference.norm()),
+        "max_abs_diff": float(diff.abs().max()),
+    }
+
+
+def fidelity_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str) -> dict:
+    """Each method's gradient against `naive_group_gradient` on the same (small) batch."""
+    reference, ref_loss = naive_group_gradient(model, batch)
+    rows = {}
+    for mode in ("exact", "detached"):
+        model.eval()
+        stats = accumulate_group_gradients(
+            model,
+            batch.prompt_ids,
+            batch.responses,
+            batch.advantages,
+            LOSS_CONFIG,
+            shard_tokens=spec.shard_tokens,
+            prompt_grad=mode,
+        )
+        rows[f"longstraw-{mode}"] = {**compare(flat_grad(model), reference), "loss": stats.loss}
+    full_spec = spec.model_copy(update={"measured_sequences": spec.group_size})
+    full = full_sequence_step(model, full_spec, batch)
+    rows["full-sequence"] = {
+        **compare(flat_grad(model), reference),
+        "loss": full["loss_measured_sequences"],
+    }
+    model.gradient_checkpointing_disable()
+    try:
+        trl = trl_step(model, full_spec, batch, work_dir)
+        rows["trl"] = {
+            **compare(flat_grad(model), reference),
+            "loss": trl["loss_measured_sequences"],
+        }
+    except ImportError as error:
+        rows["trl"] = {"skipped": f"TRL not importable: {error}"}
+    model.zero_grad(set_to_none=True)
+    return {"reference_loss": ref_loss, "gradient_numel": reference.numel(), "methods": rows}

@@ -1,0 +1,264 @@
+"""Benchmark suites: sets of isolated runs, summarised as ratios within the same run.
+
+- `prefill_suite`: LongStraw's sharded prefill vs transformers' plain forward (tokens/s, RSS).
+- `group_suite`: peak RSS against the group size G at a fixed prompt length.
+- `context_suite`: peak RSS and step time against P at fixed G, each method until it fails a cap;
+  a point whose predicted time (the last time × the length ratio, a lower bound as cost grows at
+  least linearly in P) passes the time cap is recorded as "skipped" with that reason.
+- `fidelity_suite`: each method's gradient against the exact full-sequence gradient.
+
+Every suite returns a JSON-able dict: the machine, the command, every run record, a summary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from longstraw.bench.runner import run_isolated
+from longstraw.bench.workload import BenchSpec
+
+Progress = Callable[[dict], None]
+
+
+def machine() -> dict:
+    mem_kib = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kib = int(line.split()[1])
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "device": "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": os.getloadavg(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+
+
+def peak_of(record: dict) -> int:
+    """Peak RSS of a run: the child's own high-water mark, or what the parent saw before a kill."""
+    if record["status"] == "ok":
+        return record["result"]["peak_rss_bytes"]
+    return record.get("observed_peak_rss_bytes", 0)
+
+
+def _ok(record: dict | None) -> bool:
+    return record is not None and record["status"] == "ok"
+
+
+def prefill_suite(
+    checkpoint: str,
+    *,
+    prompt_tokens: int,
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    progress: Progress = print,
+) -> dict:
+    runs = {}
+    for method in ("prefill", "hf-forward"):
+        spec = BenchSpec(
+            method=method,
+            checkpoint=checkpoint,
+            prompt_tokens=prompt_tokens,
+            shard_tokens=shard_tokens,
+        )
+        runs[method] = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
+        progress(runs[method])
+    summary: dict = {"prompt_tokens": prompt_tokens, "shard_tokens": shard_tokens}
+    if _ok(runs["prefill"]) and _ok(runs["hf-forward"]):
+        ls, hf = runs["prefill"]["result"], runs["hf-forward"]["result"]
+        summary.update(
+            prefill_tokens_per_s=ls["tokens_per_s"],
+            hf_tokens_per_s=hf["tokens_per_s"],
+            speed_ratio=ls["tokens_per_s"] / hf["tokens_per_s"],
+            prefill_peak_rss_bytes=ls["peak_rss_bytes"],
+            hf_peak_rss_bytes=hf["peak_rss_bytes"],
+            prefill_above_baseline_bytes=ls["peak_rss_bytes"] - ls["baseline_rss_bytes"],
+            hf_above_baseline_bytes=hf["peak_rss_bytes"] - hf["baseline_rss_bytes"],
+            rss_ratio=hf["peak_rss_bytes"] / ls["peak_rss_bytes"],
+            state_bytes=ls["state_bytes"],
+        )
+    return {
+        "suite": "prefill",
+        "machine": machine(),
+        "runs": list(runs.values()),
+        "summary": summary,
+    }
+
+
+def group_suite(
+    checkpoint: str,
+    *,
+    prompt_tokens: int,
+    group_sizes: Sequence[int],
+    methods: Sequence[str],
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    progress: Progress = print,
+) -> dict:
+    runs: list[dict] = []
+    summary: dict = {"prompt_tokens": prompt_tokens, "methods": {}}
+    for method in methods:
+        by_g = {}
+        for g in group_sizes:
+            spec = BenchSpec(
+                method=method,
+                checkpoint=checkpoint,
+                prompt_tokens=prompt_tokens,
+                group_size=g,
+                shard_tokens=shard_tokens,
+            )
+            record = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
+            progress(record)
+            runs.append(record)
+            by_g[g] = record
+        ok = {g: r["result"] for g, r in by_g.items() if _ok(r)}
+        row: dict = {
+            "peak_rss_bytes": {g: peak_of(r) for g, r in by_g.items()},
+            "status": {g: r["status"] for g, r in by_g.items()},
+            "step_s": {g: r["step_s"] for g, r in ok.items()},
+        }
+        if len(ok) >= 2:
+            g_lo, g_hi = min(ok), max(ok)
+            state = ok[g_hi].get("state_bytes", 0)
+            growth = ok[g_hi]["peak_rss_bytes"] - ok[g_lo]["peak_rss_bytes"]
+            row.update(
+                growth_from_g=g_lo,
+                growth_to_g=g_hi,
+                growth_bytes=growth,
+                state_bytes=state,
+                growth_fraction_of_state=growth / state if state else None,
+            )
+            if 2 in ok and 8 in ok:
+                row["growth_g2_to_g8_bytes"] = ok[8]["peak_rss_bytes"] - ok[2]["peak_rss_bytes"]
+        summary["methods"][method] = row
+    return {"suite": "group", "machine": machine(), "runs": runs, "summary": summary}
+
+
+def context_suite(
+    checkpoint: str,
+    *,
+    prompt_lengths: Sequence[int],
+    group_size: int,
+    methods: Sequence[str],
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    progress: Progress = print,
+) -> dict:
+    runs: list[dict] = []
+    by_method: dict[str, dict[int, dict]] = {}
+    for method in methods:
+        by_method[method] = {}
+        previous: dict | None = None
+        for p in sorted(prompt_lengths):
+            spec = BenchSpec(
+                method=method,
+                checkpoint=checkpoint,
+                prompt_tokens=p,
+                group_size=group_size,
+                shard_tokens=shard_tokens,
+            )
+            if previous is not None and previous["status"] != "ok":
+                record = {
+                    "spec": spec.model_dump(),
+                    "status": "skipped",
+                    "reason": f"failed at P={previous['spec']['prompt_tokens']} "
+                    f"({previous['status']})",
+                }
+            elif (
+                previous is not None
+                and previous["wall_s"] * p / previous["spec"]["prompt_tokens"] > time_cap_s
+            ):
+                predicted = previous["wall_s"] * p / previous["spec"]["prompt_tokens"]
+                record = {
+                    "spec": spec.model_dump(),
+                    "status": "skipped",
+                    "reason": f"predicted >= {predicted:.0f} s (linear in P from "
+                    f"P={previous['spec']['prompt_tokens']}) > time cap "
+                    f"{time_cap_s:.0f} s",
+                }
+            else:
+                record = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
+            progress(record)
+            runs.append(record)
+            by_method[method][p] = record
+            if record["status"] != "skipped":
+                previous = record
+    summary: dict = {
+        "group_size": group_size,
+        "mem_cap_bytes": mem_cap_bytes,
+        "time_cap_s": time_cap_s,
+        "points": {},
+        "reachable": {},
+    }
+    for p in sorted(prompt_lengths):
+        point: dict = {}
+        res = {m: by_method[m][p]["result"] for m in methods if _ok(by_method[m].get(p))}
+        for m in methods:
+            r = by_method[m].get(p)
+            point[m] = {
+                "status": r["status"],
+                "peak_rss_bytes": peak_of(r) if r else None,
+                "step_s": res[m]["step_s"] if m in res else None,
+            }
+        full, exact, det = (
+            res.get("full-sequence"),
+            res.get("longstraw-exact"),
+            res.get("longstraw-detached"),
+        )
+        if full and exact:
+            point["step_ratio_full_over_exact"] = full["step_s"] / exact["step_s"]
+            point["peak_ratio_full_over_exact"] = full["peak_rss_bytes"] / exact["peak_rss_bytes"]
+        if full and det:
+            point["step_ratio_full_over_detached"] = full["step_s"] / det["step_s"]
+            point["peak_ratio_full_over_detached"] = full["peak_rss_bytes"] / det["peak_rss_bytes"]
+        if exact and det:
+            extra = exact["peak_rss_bytes"] - det["peak_rss_bytes"]
+            point["exact_minus_detached_peak_bytes"] = extra
+            point["kv_fp32_bytes"] = exact["kv_fp32_bytes"]
+            point["exact_memory_target_met"] = extra <= 1.1 * exact["kv_fp32_bytes"]
+        summary["points"][p] = point
+    for m in methods:
+        ok = [p for p, r in by_method[m].items() if r["status"] == "ok"]
+        first_fail = [r for p, r in sorted(by_method[m].items()) if r["status"] != "ok"]
+        summary["reachable"][m] = {
+            "max_ok_prompt_tokens": max(ok) if ok else None,
+            "stopped_by": first_fail[0]["status"] if first_fail else "none (all lengths ran)",
+            "stop_reason": first_fail[0].get("reason") if first_fail else None,
+        }
+    return {"suite": "context", "machine": machine(), "runs": runs, "summary": summary}
+
+
+def fidelity_suite(
+    checkpoint: str,
+    *,
+    prompt_tokens: int,
+    group_size: int,
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    progress: Progress = print,
+) -> dict:
+    spec = BenchSpec(
+        method="fidelity",
+        checkpoint=checkpoint,
+        prompt_tokens=prompt_tokens,
+        group_size=group_size,
+        shard_tokens=shard_tokens,
+    )
+    record = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
+    progress(record)
+    summary = record["result"]["methods"] if _ok(record) else {}
+    return {"suite": "fidelity", "machine": machine(), "runs": [record], "summary": summary}
