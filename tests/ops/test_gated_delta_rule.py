@@ -9,9 +9,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule, naive_gated_delta_rule
 
-# fp32 reorderings (DESIGN.md). Gradients: RMS-relative, measured ≤ 2e-6 (see test).
+# fp32 reorderings (DESIGN.md). Gradients: RMS-relative, measured ≤ 4.9e-7 (dg, T=200).
 RTOL, ATOL = 1e-5, 1e-6
-GRAD_RMS_REL = 1e-5
+GRAD_RMS_REL = 2e-6
 
 
 def _assert_close(actual, expected, what, rtol=RTOL, atol=ATOL):
@@ -68,7 +68,7 @@ def test_chunked_gated_delta_rule_matches_transformers_chunked(T, with_state):
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, state = chunked_gated_delta_rule(q, k, v, g, beta, **kw)
     hf_out, hf_state = modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    # Measured: bitwise equal for T >= 64 (same ops); T < 64 uses one short chunk (≤ 1e-7).
+    # Measured max_diff ≤ 5.7e-7 (outputs and states of magnitude ~1).
     _assert_close(out, hf_out, "output")
     _assert_close(state, hf_state, "final state")
 
