@@ -6,7 +6,8 @@ plus how much of the write time a BackgroundStateWriter hides behind per-shard c
     .venv/bin/python bench/bench_storage.py [--gib 1.0] [--repeats 2] [--out bench/results/storage.json]
 
 ratio = raw seconds / longstraw seconds (>= 0.8 is the target: hashing, manifests and commit cost
-at most a fifth of the I/O). Each timing is the best of --repeats.
+at most a fifth of the I/O): the median over --repeats rounds of the per-round ratio, raw and
+longstraw alternating within a round; MB/s figures use the median times.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,13 +79,18 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def best_interleaved(fns, repeats) -> list[float]:
-    """Best time of each fn over `repeats` rounds, alternating fns inside each round."""
+def interleaved(fns, repeats) -> list[list[float]]:
+    """Times of each fn over `repeats` rounds, alternating fns inside each round (so both sides
+    of a ratio see the same disk/page-cache weather)."""
     times = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             times[i].append(timed(fn))
-    return [min(t) for t in times]
+    return times
+
+
+def median(xs):
+    return statistics.median(xs)
 
 
 def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
@@ -110,20 +117,26 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
         our_write.ref = w.commit(cache=None)
         w.close()
 
-    t_raw_w, t_our_w = best_interleaved([raw_write, our_write], repeats)
+    raw_w, our_w = interleaved([raw_write, our_write], repeats)
     paths = [f"{raw_write.base}/{i}" for i in range(len(objects))]
 
     def raw_read():
         data = fs.cat(paths)
         assert sum(len(v) for v in data.values()) == nbytes
 
-    def our_read():
+    def our_read(verify=True):
         got = open_committed_state(
-            our_write.ref, expect_weights_digest="w", expect_policy_version=0, cache=None
+            our_write.ref,
+            expect_weights_digest="w",
+            expect_policy_version=0,
+            cache=None,
+            verify_checksums=verify,
         )
         assert got.tensors["full_attention/k"].shape == state["full_attention/k"].shape
 
-    t_raw_r, t_our_r = best_interleaved([raw_read, our_read], repeats)
+    raw_r, our_r, our_r_noverify = interleaved(
+        [raw_read, our_read, lambda: our_read(False)], repeats
+    )
     got = open_committed_state(
         our_write.ref, expect_weights_digest="w", expect_policy_version=0, cache=None
     )
@@ -131,15 +144,19 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
         torch.equal(got.tensors[n].view(torch.int16), state[n].view(torch.int16)) for n in state
     )
     mbps = lambda s: nbytes / s / 1e6  # noqa: E731
+    t_raw_w, t_our_w, t_raw_r, t_our_r = (median(x) for x in (raw_w, our_w, raw_r, our_r))
     return {
         "bytes": nbytes,
         "objects": len(objects),
-        "raw_write_s": t_raw_w,
-        "longstraw_write_s": t_our_w,
-        "write_ratio": t_raw_w / t_our_w,
-        "raw_read_s": t_raw_r,
-        "longstraw_read_s": t_our_r,
-        "read_ratio": t_raw_r / t_our_r,
+        "repeats": repeats,
+        "raw_write_s": raw_w,
+        "longstraw_write_s": our_w,
+        "write_ratio": median([r / o for r, o in zip(raw_w, our_w, strict=True)]),
+        "raw_read_s": raw_r,
+        "longstraw_read_s": our_r,
+        "read_ratio": median([r / o for r, o in zip(raw_r, our_r, strict=True)]),
+        "longstraw_read_noverify_s": our_r_noverify,
+        "read_ratio_noverify": median([r / o for r, o in zip(raw_r, our_r_noverify, strict=True)]),
         "raw_write_MBps": mbps(t_raw_w),
         "longstraw_write_MBps": mbps(t_our_w),
         "raw_read_MBps": mbps(t_raw_r),
@@ -149,43 +166,33 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
 
 
 def bench_overlap(root_uri: str, layout, state, compute_s: float) -> dict:
-    """Prefill loop: per shard, `compute_s` of single-threaded matmuls, then hand the shard over."""
-    torch.set_num_threads(1)  # one core computes, the other persists
-    a = torch.randn(256, 256)
-    t0 = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t0 < 0.2:
-        a @ a
-        n += 1
-    matmuls_per_shard = max(1, int(n * compute_s / 0.2))
+    """Prefill loop: per shard, `compute_s` of simulated compute, then hand the shard over.
 
-    def compute():
-        for _ in range(matmuls_per_shard):
-            a @ a
+    Compute is a sleep: on a GPU the host thread waits for the device while a shard is computed,
+    which leaves the CPU free for the writer thread; that is the overlap this measures.
+    """
 
     def run(background: bool) -> float:
         key = StateKey.policy("bench", 1, "w", uuid.uuid4().hex)
         w = open_state_writer(StorageConfig(root_uri=root_uri), key, layout)
         if background:
             w = BackgroundStateWriter(w)
+        os.sync()
         t = time.perf_counter()
         for k in range(layout.num_shards):
-            compute()
+            time.sleep(compute_s)
             w.write_shard(k, shard_slices(layout, state, k), {})
         w.commit(cache=None)
         elapsed = time.perf_counter() - t
         w.close()
         return elapsed
 
-    t_compute = time.perf_counter()
-    for _ in range(layout.num_shards):
-        compute()
-    t_compute = time.perf_counter() - t_compute
+    t_compute = compute_s * layout.num_shards
     t_sync = run(False)
     t_bg = run(True)
-    torch.set_num_threads(os.cpu_count() or 1)
     write_s = t_sync - t_compute
     return {
+        "compute_per_shard_s": compute_s,
         "compute_only_s": t_compute,
         "synchronous_s": t_sync,
         "background_s": t_bg,
@@ -225,7 +232,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "storage.json"))
     args = parser.parse_args()
 
@@ -263,10 +270,10 @@ def main() -> None:
         )
         print_backend("s3 (moto, loopback)", results["s3_moto_loopback"])
         # Compute per shard ~ the synchronous write time per shard: the case overlap is for.
-        per_shard = results["local"]["longstraw_write_s"] / layout.num_shards
+        per_shard = median(results["local"]["longstraw_write_s"]) / layout.num_shards
         results["overlap_local"] = bench_overlap(local_root, layout, state, compute_s=per_shard)
         print_overlap("local", results["overlap_local"])
-        per_shard = results["s3_moto_loopback"]["longstraw_write_s"] / layout.num_shards
+        per_shard = median(results["s3_moto_loopback"]["longstraw_write_s"]) / layout.num_shards
         results["overlap_s3"] = bench_overlap(
             "s3://longstraw-bench/overlap", layout, state, compute_s=per_shard
         )
@@ -276,6 +283,7 @@ def main() -> None:
         if moto is not None:
             moto.terminate()
             moto.wait(timeout=30)
+    results["machine"]["load_average_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -285,13 +293,14 @@ def print_backend(name: str, r: dict) -> None:
     print(
         f"{name:>20}: write {r['longstraw_write_MBps']:.0f} MB/s vs raw {r['raw_write_MBps']:.0f} MB/s "
         f"(ratio {r['write_ratio']:.2f}); read+verify {r['longstraw_read_MBps']:.0f} MB/s vs raw "
-        f"{r['raw_read_MBps']:.0f} MB/s (ratio {r['read_ratio']:.2f}); bitwise {r['read_back_bitwise']}"
+        f"{r['raw_read_MBps']:.0f} MB/s (ratio {r['read_ratio']:.2f}, {r['read_ratio_noverify']:.2f} "
+        f"without sha256); bitwise {r['read_back_bitwise']}"
     )
 
 
 def print_overlap(name: str, r: dict) -> None:
     print(
-        f"{'overlap ' + name:>20}: compute {r['compute_only_s']:.2f} s, synchronous {r['synchronous_s']:.2f} s, "
+        f"{'overlap ' + name:>20}: compute (sleep) {r['compute_only_s']:.2f} s, synchronous {r['synchronous_s']:.2f} s, "
         f"background {r['background_s']:.2f} s (x{r['speedup']:.2f}, "
         f"{100 * (r['write_time_hidden_fraction'] or 0):.0f} % of write time hidden)"
     )

@@ -37,7 +37,7 @@ def _default_s3_endpoint() -> str | None:
 class StorageConfig(_Frozen):
     """Where prompt states are persisted and how writes overlap compute."""
 
-    root_uri: str = "./.longstraw"
+    root_uri: str = Field(default="./.longstraw", validate_default=True)
     """Root of the key space: a local path (resolved to an absolute file:// URI) or s3://bucket/prefix."""
     persist_mode: PersistMode = "background"
     """off: keep the state in process memory only; background: a writer thread overlaps compute;
