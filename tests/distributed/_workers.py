@@ -1,0 +1,107 @@
+"""Functions the distributed tests run on every rank (module level: spawn imports them by name).
+
+Each returns plain numbers so the parent process can assert on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SEED = 42
+RESPONSE_LENS = (7, 12)
+
+
+def _group(vocab: int, prompt_len: int):
+    gen = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
+    return prompt, responses, torch.tensor([0.7, -1.1])
+
+
+def _grad_errors(got, want) -> dict[str, float]:
+    """Worst per-tensor max_diff relative to that tensor's largest entry, and global RMS-relative."""
+    worst = max(
+        (
+            (got.grads[n] - want.grads[n]).abs().max() / want.grads[n].abs().max().clamp(min=1e-30)
+        ).item()
+        for n in want.grads
+    )
+    num = sum(((got.grads[n] - want.grads[n]) ** 2).sum() for n in want.grads) ** 0.5
+    den = sum((want.grads[n] ** 2).sum() for n in want.grads) ** 0.5
+    return {"max_rel": worst, "rms_rel": (num / den).item()}
+
+
+def compare_with_single_process(
+    rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int
+):
+    """Sharded prefill/replay/gradients on this rank vs the single-process engine (run here too)."""
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_state import gather_state, scatter_state
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
+    config = GRPOConfig(beta=0.0)
+    out: dict = {}
+
+    reference = prefill(model, prompt, shard_tokens=shard_tokens)
+    placed = gather_state(scatter_state(reference, rank, world))
+    out["placement_bitwise"] = all(
+        torch.equal(placed.tensors()[n], t) for n, t in reference.tensors().items()
+    )
+    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    whole = gather_state(local)
+    out["state_max_rel"] = max(
+        ((whole.tensors()[n] - t).abs().max() / t.abs().max()).item()
+        for n, t in reference.tensors().items()
+    )
+    out["local_state_bytes"] = local.state_bytes()
+    out["total_state_bytes"] = reference.state_bytes()
+    for mode in ("detached", "exact"):
+        want = GradBuffer(model)
+        stats = accumulate_group_gradients(
+            model, reference, responses, advantages, config,
+            shard_tokens=shard_tokens, prompt_grad=mode, grad_buffer=want,
+        )  # fmt: skip
+        got, logps = sharded_group_gradients(
+            model, local, responses, advantages, config, prompt_grad=mode
+        )
+        out[f"{mode}_logp_max_diff"] = max(
+            (torch.tensor(w) - g).abs().max().item()
+            for w, g in zip(stats.branch_logprobs, logps, strict=True)
+        )
+        out[f"{mode}_logps"] = [g.tolist() for g in logps]
+        out[f"{mode}_grad"] = _grad_errors(got, want)
+    return out
+
+
+def die_during_prefill(rank: int, world: int, checkpoint: str, dying_rank: int):
+    """Rank `dying_rank` exits hard after its first prefill shard; the others are mid-collective."""
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    prompt, _, _ = _group(model.config.get_text_config().vocab_size, 100)
+
+    def on_shard(state, shard):
+        if rank == dying_rank:
+            os._exit(17)
+
+    sharded_prefill(model, prompt, shard_tokens=20, on_shard=on_shard)
+    return "finished"
+
+
+def raise_on_rank(rank: int, world: int, failing_rank: int):
+    import torch.distributed as dist
+
+    if rank == failing_rank:
+        raise ValueError(f"injected failure on rank {rank}")
+    dist.barrier()
+    return rank
