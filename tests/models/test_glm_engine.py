@@ -86,7 +86,10 @@ def _report(got, want):
 
 
 @pytest.mark.parametrize("regime", ["sparse", "dense"])
-@pytest.mark.parametrize("prompt_len,shard", [(63, 10), (1000, 333), (5, 1)])
+@pytest.mark.parametrize(
+    "prompt_len,shard",
+    [(63, 10), pytest.param(1000, 333, marks=pytest.mark.slow), (5, 1)],
+)
 def test_branch_logprobs_match_transformers_forward(
     regime, prompt_len, shard, sparse_model, dense_model
 ):
@@ -190,7 +193,7 @@ def _no_indexer(grads):
     return {n: g for n, g in grads.items() if n not in indexer}
 
 
-@pytest.mark.parametrize("regime", ["sparse", "dense"])
+@pytest.mark.parametrize("regime", ["sparse", pytest.param("dense", marks=pytest.mark.slow)])
 def test_exact_gradient_matches_full_autograd_parameter_by_parameter(
     regime, sparse_model, dense_model
 ):
@@ -198,7 +201,7 @@ def test_exact_gradient_matches_full_autograd_parameter_by_parameter(
     prompt, responses, advantages = _group()
     got = _no_indexer(_longstraw_grads(model, prompt, responses, advantages, "exact", 10))
     want = _no_indexer(_full_sequence_grads(model, prompt, responses, advantages))
-    # Measured: max |diff| / max |ref| per parameter <= 2e-6 (fp32 reorderings of the absorbed MLA).
+    # Measured (P 63/1000, sparse/dense): max diff / max abs(ref) per parameter <= 1.1e-6.
     _assert_grads_close(got, want, rel=2e-5)
 
 
