@@ -149,9 +149,31 @@ def haystack_partial(prompt: str, response: str, metadata: dict[str, Any]) -> fl
     return fn(response, metadata)
 
 
+# Characters of a response the shaped reward looks at: an answer is short, and looking further
+# would reward rambling in the value alphabet.
+_SHAPED_WINDOW = 8
+
+
+def haystack_shaped(prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    """1.0 for the exact answer; otherwise up to 0.5 for answering in the value alphabet.
+
+    A dense signal for learning from scratch: a random tiny model almost never emits the exact
+    value, so exact-match rewards are all zero and every advantage is zero. Half credit scales
+    with the share of the response's first non-space characters drawn from the value alphabet.
+    """
+    if haystack_exact(prompt, response, metadata) == 1.0:
+        return 1.0
+    alphabet = set(metadata.get("value_alphabet", ""))
+    chars = [c for c in response if not c.isspace()][:_SHAPED_WINDOW]
+    if not alphabet or not chars:
+        return 0.0
+    return 0.5 * sum(c in alphabet for c in chars) / len(chars)
+
+
 REWARDS: dict[str, Callable[[str, str, dict[str, Any]], float]] = {
     "haystack_exact": haystack_exact,
     "haystack_partial": haystack_partial,
+    "haystack_shaped": haystack_shaped,
 }
 """Reward name -> function, for the trainer's registry (`longstraw.grpo.rewards`)."""
 

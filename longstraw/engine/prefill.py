@@ -109,12 +109,14 @@ def prefill(
     on_shard: ShardCallback | None = None,
     resume: PrefixState | None = None,
     start_shard: int = 0,
+    end_shard: int | None = None,
 ) -> PrefixState:
     """The prompt state of `prompt_ids[:-1]`, computed `shard_tokens` tokens at a time.
 
     `on_shard(state, k)` runs after shard k is complete (persistence, progress). To resume an
     interrupted prefill, pass the partially filled `resume` state and the first missing shard as
-    `start_shard`: shards before it are not recomputed.
+    `start_shard`: shards before it are not recomputed. `end_shard` stops before that shard
+    (one task per shard computes `start_shard = k, end_shard = k + 1`).
     """
     spec = state_spec(model)
     ids = as_token_tensor(
@@ -142,7 +144,7 @@ def prefill(
                 f"(shard_tokens {state.shard_tokens} vs {shard_tokens}); start a fresh prefill"
             )
     with torch.no_grad(), prefix_attention_enabled(model):
-        for shard in range(start_shard, state.num_shards):
+        for shard in range(start_shard, state.num_shards if end_shard is None else end_shard):
             start, end = state.bounds[shard]
             run_shard_forward(model, ids, _shard_cache(state, shard), start, end)
             if on_shard is not None:

@@ -51,3 +51,40 @@ class GroupStats(BaseModel):
     """Per-shard linear-attention checkpoints (host memory)."""
     cotangent_bytes: int = 0
     """fp32 prompt-state cotangent dS (exact mode; 0 in detached mode)."""
+
+
+class StepMetrics(BaseModel):
+    """One optimizer step of a training run: what the audit table, JSONL and plots show."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int
+    """0-based optimizer step."""
+    policy_version: int
+    """Version of the weights that produced this step's rollouts (the update makes version + 1)."""
+    reward_mean: float
+    reward_std: float
+    advantage_mean: float
+    advantage_std: float
+    advantage_min: float
+    advantage_max: float
+    loss: float
+    kl: float | None = None
+    clip_ratio_low: float = 0.0
+    clip_ratio_high: float = 0.0
+    clip_ratio_region: float = 0.0
+    grad_norm: float = 0.0
+    learning_rate: float = 0.0
+    prompt_tokens: int = 0
+    """Prompt tokens of the step's groups (summed)."""
+    completion_tokens: int = 0
+    """Completion tokens counted by the loss."""
+    num_groups: int = 1
+    truncated_fraction: float = 0.0
+    """Responses that hit max_completion_length."""
+    seconds: dict[str, float] = Field(default_factory=dict)
+    """Wall-clock seconds per stage: prefill, rollout, reward, reference, replay, sweep, update, checkpoint."""
+    peak_rss_bytes: int = 0
+    shards_computed: int = 0
+    """Prefill shards computed this step (the rest were reused from storage)."""
+    shards_reused: int = 0

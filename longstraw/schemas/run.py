@@ -44,9 +44,10 @@ class ModelConfig(_Section):
 class EngineConfig(_Section):
     """How the prompt is prefilled and how its gradient is taken."""
 
-    shard_tokens: int = Field(default=2048, ge=1)
+    shard_tokens: int = Field(default=32, ge=1)
     """Prompt tokens per prefill shard: activation memory is bounded by one shard, and the exact
-    sweep recomputes one shard at a time."""
+    sweep recomputes one shard at a time. The default suits the demo's 96-token prompts (three
+    shards); use 2048–8192 for real prompts."""
     prompt_grad: Literal["exact", "detached"] = "exact"
     """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
     forward+backward); detached: treat the prompt state as a constant (the original system's
@@ -61,8 +62,9 @@ class HaystackDataConfig(_Section):
     """The task template; each prompt uses `task.seed + prompt index` as its seed."""
     num_prompts: int = Field(default=64, ge=1)
     """Distinct prompts the generator cycles through."""
-    rewards: list[str] = Field(default_factory=lambda: ["haystack_partial"])
-    """Reward specs: registered names or `package.module:function`."""
+    rewards: list[str] = Field(default_factory=lambda: ["haystack_shaped"])
+    """Reward specs: registered names or `package.module:function`. The default gives half credit
+    for answering in the value alphabet, so a model trained from random weights gets a signal."""
 
 
 class JsonlDataConfig(_Section):
@@ -83,7 +85,7 @@ class TrainConfig(_Section):
 
     num_steps: int = Field(default=8, ge=1)
     """Optimizer steps (policy versions) to run."""
-    groups_per_step: int = Field(default=1, ge=1)
+    groups_per_step: int = Field(default=2, ge=1)
     """Prompts (GRPO groups) whose gradients are summed into one optimizer step."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Write a Hugging Face checkpoint every this many steps (and always after the last)."""
@@ -108,8 +110,10 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     grpo: GRPOConfig = Field(
+        # The demo's settings: a tiny random model learns to answer in the value alphabet within
+        # a few steps at this learning rate (TRL's default 1e-6 suits pretrained models).
         default_factory=lambda: GRPOConfig(
-            num_generations=4, max_completion_length=4, learning_rate=3e-3, temperature=1.0
+            num_generations=8, max_completion_length=3, learning_rate=1e-2, loss_type="grpo"
         )
     )
     data: DataConfig = Field(default_factory=HaystackDataConfig)

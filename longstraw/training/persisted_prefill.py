@@ -4,6 +4,10 @@ A committed state for the same key (weights digest, version, prompt) is read bac
 recomputed (free in-process: the storage cache holds the very tensors). An interrupted prefill
 resumes after its last shard manifest: the shards before it are read back, not recomputed, and
 the finished state is bitwise what an uninterrupted prefill gives.
+
+`PrefillSession` does this one shard at a time, so an orchestrator can make each shard a task:
+`ensure_shard(k)` fills shards 0..k, reading from storage what a previous (crashed) run already
+committed and computing the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +56,108 @@ def state_layout(state: PrefixState) -> StateLayout:
     return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
 
 
+class PrefillSession:
+    """One prompt's prefill for one key, computed or recovered shard by shard."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: torch.Tensor,
+        *,
+        shard_tokens: int,
+        storage: StorageConfig,
+        key: StateKey,
+    ):
+        self.model = model
+        self.ids = prompt_ids.to(torch.long).cpu()
+        self.shard_tokens = shard_tokens
+        self.storage = storage
+        self.key = key
+        self.shards_computed = 0
+        self.shards_reused = 0
+        self.ref: PrefixStateRef | None = None
+        self.reused_committed = False
+        self.writer = None
+        spec = state_spec(model)
+        persist = storage.persist_mode != "off" and self.ids.numel() >= 2
+        committed = self._committed() if persist else None
+        if committed is not None:
+            tensors = {name: t.to(model.device) for name, t in committed.tensors.items()}
+            self.state = PrefixState.from_tensors(
+                spec, prompt_ids=self.ids, shard_tokens=shard_tokens, tensors=tensors
+            )
+            self.ref, self.reused_committed = committed.ref, True
+            self.shards_reused = self.state.num_shards
+            self.filled = self.state.num_shards
+            return
+        dtype = next(model.parameters()).dtype
+        self.state = PrefixState.allocate(
+            spec, prompt_ids=self.ids, shard_tokens=shard_tokens, dtype=dtype, device=model.device
+        )
+        self.filled = 0
+        """Shards 0..filled-1 are in `state`."""
+        if persist:
+            self.writer = open_persisting_writer(
+                storage, key, state_layout(self.state), resume=True
+            )
+
+    def _committed(self):
+        policy_version = self.key.policy_version if self.key.kind == "policy" else None
+        try:
+            return open_committed_state(
+                state_dir_uri(self.storage, self.key),
+                expect_weights_digest=self.key.weights_digest,
+                expect_policy_version=policy_version,
+                config=self.storage,
+            )
+        except StateNotCommittedError:
+            return None
+
+    @property
+    def num_shards(self) -> int:
+        return self.state.num_shards
+
+    def ensure_shard(self, shard: int) -> None:
+        """Make shards 0..`shard` present: read back what storage has, compute the rest."""
+        stored = set(self.writer.completed_shards()) if self.writer is not None else set()
+        while self.filled <= shard:
+            k = self.filled
+            if k in stored:
+                _fill_shard(self.state, k, self.writer.read_shard(k))
+                self.shards_reused += 1
+            else:
+                prefill(
+                    self.model,
+                    self.ids,
+                    shard_tokens=self.shard_tokens,
+                    resume=self.state,
+                    start_shard=k,
+                    end_shard=k + 1,
+                )
+                if self.writer is not None:
+                    self.writer.write_shard(k, *_shard_payload(self.state, k))
+                self.shards_computed += 1
+            self.filled += 1
+
+    def finish(self) -> tuple[PrefixState, PrefillOutcome]:
+        """Fill every shard, commit (when persisting) and close."""
+        if self.num_shards:
+            self.ensure_shard(self.num_shards - 1)
+        if self.writer is not None:
+            try:
+                self.ref = self.writer.commit(tensors=self.state.tensors())
+            finally:
+                self.close()
+        return self.state, PrefillOutcome(
+            self.ref, self.shards_computed, self.shards_reused, self.reused_committed
+        )
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
 def persisted_prefill(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
@@ -61,57 +167,11 @@ def persisted_prefill(
     key: StateKey,
 ) -> tuple[PrefixState, PrefillOutcome]:
     """The prompt state of `prompt_ids[:-1]` for `key`: reused, resumed or computed and persisted."""
-    ids = prompt_ids.to(torch.long).cpu()
-    if storage.persist_mode == "off" or ids.numel() < 2:
-        state = prefill(model, ids, shard_tokens=shard_tokens)
-        return state, PrefillOutcome(None, state.num_shards, 0, False)
-
-    spec = state_spec(model)
-    policy_version = key.policy_version if key.kind == "policy" else None
+    session = PrefillSession(model, prompt_ids, shard_tokens=shard_tokens, storage=storage, key=key)
     try:
-        committed = open_committed_state(
-            state_dir_uri(storage, key),
-            expect_weights_digest=key.weights_digest,
-            expect_policy_version=policy_version,
-            config=storage,
-        )
-    except StateNotCommittedError:
-        committed = None
-    if committed is not None:
-        tensors = {name: t.to(model.device) for name, t in committed.tensors.items()}
-        state = PrefixState.from_tensors(
-            spec, prompt_ids=ids, shard_tokens=shard_tokens, tensors=tensors
-        )
-        return state, PrefillOutcome(committed.ref, 0, state.num_shards, True)
-
-    dtype = next(model.parameters()).dtype
-    state = PrefixState.allocate(
-        spec, prompt_ids=ids, shard_tokens=shard_tokens, dtype=dtype, device=model.device
-    )
-    layout = state_layout(state)
-    writer = open_persisting_writer(storage, key, layout, resume=True)
-    try:
-        done = writer.completed_shards()
-        reused = 0
-        while reused in done:  # a contiguous run of finished shards from the start
-            _fill_shard(state, reused, writer.read_shard(reused))
-            reused += 1
-
-        def persist(state: PrefixState, shard: int) -> None:
-            writer.write_shard(shard, *_shard_payload(state, shard))
-
-        state = prefill(
-            model,
-            ids,
-            shard_tokens=shard_tokens,
-            resume=state,
-            start_shard=reused,
-            on_shard=persist,
-        )
-        ref = writer.commit(tensors=state.tensors())
+        return session.finish()
     finally:
-        writer.close()
-    return state, PrefillOutcome(ref, state.num_shards - reused, reused, False)
+        session.close()
 
 
 def _shard_payload(state: PrefixState, shard: int):
