@@ -97,18 +97,21 @@ def run_on_ranks(
     timeout_s: float = 300.0,
     backend: str = "gloo",
     num_threads: int = 1,
+    start_method: str = "spawn",
     **kwargs: Any,
 ) -> list[Any]:
     """[world_size] results of `fn(rank, world_size, *args, **kwargs)` run on local ranks.
 
     `fn` must be importable (a module-level function: spawn pickles it by name) and return
     something picklable; tensors should be small (tests, statistics). `num_threads` intra-op
-    threads per rank (ranks × threads should not exceed the cores). Raises `RankFailedError` as
+    threads per rank (ranks × threads should not exceed the cores). `start_method` "spawn" is
+    the safe default (CUDA cannot be forked); "fork" skips re-importing torch/transformers in
+    each rank (~10 s per rank on this machine) and suits CPU-only runs such as the tests. Raises `RankFailedError` as
     soon as any rank fails or dies, and `TimeoutError` after `timeout_s`; all ranks are stopped.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [

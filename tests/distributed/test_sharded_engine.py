@@ -10,12 +10,16 @@ from __future__ import annotations
 import functools
 
 import pytest
+from _workers import compare_with_single_process
 
+import longstraw.distributed.sharded_group
+import longstraw.engine.group
+import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
 
-from _workers import compare_with_single_process  # noqa: I001 - tests/distributed on sys.path
-
 PROMPT_LEN, SHARD_TOKENS = 200, 33
+# fork: ranks inherit the imported torch/transformers/longstraw (spawn re-imports: ~10 s a rank).
+START_METHOD = "fork"
 CASES = [("llama", 2), ("qwen3_5", 3)]
 # STYLE.md: fp32 reorderings rtol 1e-5 / atol 1e-6 (the cross-rank merge reorders sums).
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
@@ -28,7 +32,13 @@ GRAD_MAX_REL = 1e-5
 def _results(checkpoint: str, world: int) -> tuple[dict, ...]:
     return tuple(
         run_on_ranks(
-            compare_with_single_process, world, checkpoint, PROMPT_LEN, SHARD_TOKENS, timeout_s=240
+            compare_with_single_process,
+            world,
+            checkpoint,
+            PROMPT_LEN,
+            SHARD_TOKENS,
+            timeout_s=240,
+            start_method=START_METHOD,
         )
     )
 
