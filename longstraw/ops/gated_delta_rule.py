@@ -117,7 +117,7 @@ def chunked_gated_delta_rule(
     if initial_state is None:
         state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
     else:
-        state = initial_state.to(torch.float32)
+        state = initial_state.to(device=v.device, dtype=torch.float32)
     if T == 0:
         return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), (state if output_final_state else None)
 
@@ -205,7 +205,7 @@ def naive_gated_delta_rule(
     if initial_state is None:
         state_BHKV = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
     else:
-        state_BHKV = initial_state.to(torch.float32)
+        state_BHKV = initial_state.to(device=v.device, dtype=torch.float32)
     outs = []
     for t in range(T):
         q_t, k_t, v_t = q[:, :, t], k[:, :, t], v[:, :, t]
