@@ -240,3 +240,23 @@ def _max_saved_numel(model, prompt_len):
 def test_replay_saves_no_prompt_sized_tensor(sparse_model):
     small, large = _max_saved_numel(sparse_model, 200), _max_saved_numel(sparse_model, 1500)
     assert small == large, f"largest saved tensor grows with the prompt: {small} -> {large}"
+
+
+def test_decoding_with_a_kept_branch_matches_one_replay(sparse_model):
+    from longstraw.engine.replay import branch_cache, replay_logits
+
+    prompt, _ = _inputs(63, 1)
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(SEED))
+    state = prefill(sparse_model, prompt, shard_tokens=10)
+    with torch.no_grad():
+        whole = replay_logits(sparse_model, state, ids, branch_cache(state).cache)
+        cache = branch_cache(state, keep_branch=True).cache
+        steps = [replay_logits(sparse_model, state, ids[:, :5], cache)]
+        cache.position_offset += 5
+        for i in range(5, 9):
+            steps.append(replay_logits(sparse_model, state, ids[:, i : i + 1], cache))
+            cache.position_offset += 1
+    stepped = torch.cat(steps, dim=1)
+    torch.testing.assert_close(
+        stepped, whole, rtol=1e-5, atol=1e-6, msg=lambda m: _report(stepped, whole)
+    )
