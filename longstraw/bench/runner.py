@@ -45,6 +45,8 @@ def run_isolated(spec: BenchSpec, *, time_cap_s: float, mem_cap_bytes: int) -> d
         log = Path(tmp) / "worker.log"
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        # Spinning OpenMP workers burn the CPU a descheduled partner needs on a shared machine.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         started = time.perf_counter()
         with open(log, "wb") as log_file:
             child = subprocess.Popen(
