@@ -1,0 +1,143 @@
+"""2 ranks (gloo, CPU) vs the single-process engine at the same prompt: memory and communication.
+
+Each configuration runs in its own spawned processes (clean per-process peak RSS). Reports, per
+rank: prompt-state bytes (K/V), its fp32 cotangent (exact mode), peak RSS, stage times, and the
+bytes each rank sent into the cross-rank attention's collectives during prefill, one branch's
+replay (forward + backward) and the sweep. Usage:
+
+    .venv/bin/python bench/bench_distributed.py --family qwen3_5 --size small --prompt-len 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from longstraw.distributed.launch import run_on_ranks
+
+SEED = 42
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _inputs(vocab: int, prompt_len: int, num_branches: int, branch_len: int):
+    gen = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, vocab, (branch_len,), generator=gen) for _ in range(num_branches)]
+    advantages = torch.randn(num_branches, generator=gen)
+    return prompt, responses, advantages
+
+
+def single_process(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len):
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    torch.set_num_threads(2)
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    prompt, responses, advantages = _inputs(
+        model.config.get_text_config().vocab_size, prompt_len, num_branches, branch_len
+    )
+    base = _rss()
+    started = time.perf_counter()
+    state = prefill(model, prompt, shard_tokens=shard_tokens)
+    prefill_s = time.perf_counter() - started
+    stats = accumulate_group_gradients(
+        model, state, responses, advantages, GRPOConfig(beta=0.0),
+        shard_tokens=shard_tokens, prompt_grad="exact", grad_buffer=GradBuffer(model),
+    )  # fmt: skip
+    return {
+        "state_bytes": state.state_bytes(),
+        "checkpoint_bytes": state.checkpoint_bytes(),
+        "cotangent_bytes": stats.cotangent_bytes,
+        "rss_before_prefill": base,
+        "peak_rss": _rss(),
+        "prefill_s": prefill_s,
+        "replay_s": stats.seconds.replay,
+        "sweep_s": stats.seconds.sweep,
+    }
+
+
+def sharded(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len):
+    from longstraw.distributed import cross_rank_attention as cra
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    prompt, responses, advantages = _inputs(
+        model.config.get_text_config().vocab_size, prompt_len, num_branches, branch_len
+    )
+    base = _rss()
+    out = {}
+    started = time.perf_counter()
+    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out["prefill_s"] = time.perf_counter() - started
+    out["prefill_bytes_sent"] = cra.COMM.bytes_sent
+
+    # One branch alone: forward + backward with a cotangent, to count its traffic.
+    cra.COMM.__init__()
+    cotangent = zeros_cotangent(state)
+    logp, _ = sharded_branch_logprobs(model, state, responses[0], cotangent=cotangent)
+    logp.sum().backward()
+    out["branch_bytes_sent"] = cra.COMM.bytes_sent
+    out["branch_exchanges"] = cra.COMM.exchanges
+    model.zero_grad(set_to_none=True)
+    del cotangent, logp
+
+    cra.COMM.__init__()
+    started = time.perf_counter()
+    _, _ = sharded_group_gradients(
+        model, state, responses, advantages, GRPOConfig(beta=0.0), prompt_grad="exact"
+    )
+    out["group_s"] = time.perf_counter() - started
+    out["group_bytes_sent"] = cra.COMM.bytes_sent
+    out.update(
+        state_bytes=state.state_bytes(),
+        checkpoint_bytes=state.checkpoint_bytes(),
+        cotangent_bytes=sum(t.numel() * 4 for t in (state.keys, state.values) if t is not None),
+        rss_before_prefill=base,
+        peak_rss=_rss(),
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="qwen3_5")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--shard-tokens", type=int, default=1024)
+    parser.add_argument("--branches", type=int, default=2)
+    parser.add_argument("--branch-len", type=int, default=32)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from longstraw.models.factory import init_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = str(init_model(args.family, args.size, Path(tmp) / "ckpt", seed=SEED))
+        common = (checkpoint, args.prompt_len, args.shard_tokens, args.branches, args.branch_len)
+        single = run_on_ranks(single_process, 1, *common, timeout_s=1800, num_threads=2)[0]
+        ranks = run_on_ranks(sharded, args.ranks, *common, timeout_s=1800, num_threads=1)
+    result = {"config": vars(args) | {"out": None}, "single": single, "ranks": ranks}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
