@@ -202,7 +202,7 @@ def accumulate_group_gradients(
                 if cotangent is not None:
                     logp.longstraw_branch.add_leaf_grads_into(cotangent, state)
                 _drain_into(params, contribution)
-                branch_losses.append(float(loss))
+                branch_losses.append(float(loss.detach()))
                 branch_logps.append(logp.detach().cpu().tolist())
                 branch_stats.append(stats)
                 del logp, loss

@@ -47,4 +47,62 @@ class GradRef(_Ref):
     """Completion tokens the contribution covers."""
 
 
-__all__ = ["CheckpointRef", "GradRef", "PrefixStateRef", "TensorSpec"]
+class PromptRef(_Ref):
+    """One prompt of a step, at the policy version its state is computed for."""
+
+    index: int = Field(ge=0)
+    """Position in the run's prompt stream (the data source recreates the prompt from it)."""
+    prompt_id: str
+    prompt_digest: str
+    num_tokens: int = Field(ge=1)
+    num_shards: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    weights_digest: str
+
+
+class ShardRef(_Ref):
+    """A prefill shard that is in storage (and in this process's session when it ran here)."""
+
+    prompt_digest: str
+    shard: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+    weights_digest: str
+    computed: bool
+    """False when the shard was read back from storage instead of computed."""
+
+
+class RolloutRef(_Ref):
+    """A group's sampled responses and rewards (the state stays in the process's session)."""
+
+    handle: str
+    """Name of the rollout in the process-local registry."""
+    prompt: PromptRef
+    response_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    texts: list[str]
+    truncated: list[bool]
+    rewards: list[float]
+
+
+class UpdateResult(_Ref):
+    """What an optimizer step produced."""
+
+    policy_version: int
+    """Version after the update."""
+    grad_norm: float
+    learning_rate: float
+    clipped: bool
+    checkpoint: CheckpointRef | None = None
+    """Set when this update's version was checkpointed."""
+
+
+__all__ = [
+    "CheckpointRef",
+    "GradRef",
+    "PrefixStateRef",
+    "PromptRef",
+    "RolloutRef",
+    "ShardRef",
+    "TensorSpec",
+    "UpdateResult",
+]

@@ -1,0 +1,47 @@
+"""Retry and cache policies shared by LongStraw's Prefect tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.locking.filesystem import FileSystemLockManager
+
+# Faults worth retrying: storage and network hiccups. A ValueError (bad input) or a
+# StateMismatchError (wrong weights) fails the same way every time and is not retried.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
+
+
+def retry_on_transient(task, task_run, state) -> bool:
+    """Prefect retry condition: retry only transient faults."""
+    try:
+        state.result()
+    except TRANSIENT_ERRORS:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
+def prefill_shard_cache_key(context, parameters) -> str:
+    """(task name, weights digest, prompt digest, shard index, config digest)."""
+    prompt = parameters["prompt"]
+    return "-".join(
+        (
+            "prefill_prompt_shard",
+            prompt.weights_digest[:24],
+            prompt.prompt_digest[:24],
+            f"v{prompt.policy_version}",
+            f"s{parameters['shard']}",
+            parameters["config_digest"],
+        )
+    )
+
+
+def serializable_cache_policy(lock_dir: Path) -> CacheKeyFnPolicy:
+    """Cache on `prefill_shard_cache_key`; concurrent duplicates wait for the first writer."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    return CacheKeyFnPolicy(cache_key_fn=prefill_shard_cache_key).configure(
+        isolation_level="SERIALIZABLE",
+        lock_manager=FileSystemLockManager(lock_files_directory=lock_dir),
+    )
