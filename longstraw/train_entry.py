@@ -112,6 +112,9 @@ def run_training(
     use_prefect: bool = True,
 ) -> list:
     configure_prefect_environment(Path.cwd() / ".longstraw")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     config = resolve_config(config_path, steps=steps, run_id=run_id, root=root, resume=resume)
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "

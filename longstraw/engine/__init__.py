@@ -1,1 +1,24 @@
+"""Single-process algorithm: prefill, replay, rollout, reverse sweep, group gradient."""
 
+from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+from longstraw.engine.prefill import prefill
+from longstraw.engine.replay import PromptCotangent, branch_logprobs
+from longstraw.engine.rollout import Response, SamplingParams, sample_responses, score_responses
+from longstraw.engine.state import PrefixState, shard_bounds
+from longstraw.engine.sweep import StateMismatchError, sweep_prompt_shards
+
+__all__ = [
+    "GradBuffer",
+    "PrefixState",
+    "PromptCotangent",
+    "Response",
+    "SamplingParams",
+    "StateMismatchError",
+    "accumulate_group_gradients",
+    "branch_logprobs",
+    "prefill",
+    "sample_responses",
+    "score_responses",
+    "shard_bounds",
+    "sweep_prompt_shards",
+]

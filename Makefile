@@ -1,0 +1,31 @@
+# Set-up is part of every target: the virtualenv is created on first use and refreshed when
+# pyproject.toml changes. torch is pinned to 2.13.0 and installed first so that no other
+# requirement pulls a multi-GB CUDA build on CPU machines.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.longstraw-installed
+
+.PHONY: demo test lint bench clean-demo
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+# The main job on the embedded default: no server, local storage, a tiny checkpoint it builds.
+demo: $(STAMP)
+	$(VENV)/bin/longstraw train
+
+# The test suite (CPU); pytest exits 5 when no test ran, which fails this target too.
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check longstraw tests bench
+	$(VENV)/bin/ruff format --check longstraw tests bench
+
+bench: $(STAMP)
+	$(VENV)/bin/longstraw bench --help
