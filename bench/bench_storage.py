@@ -70,13 +70,21 @@ def raw_objects(layout, state) -> list[bytes]:
     return out
 
 
+CPU_SECONDS: dict[str, list[float]] = {}
+"""Client-process CPU seconds per timed function: robust to other load on the machine, unlike
+wall time (the 2-core machine is shared; a load average above 2 slows CPU-bound hashing most)."""
+
+
 def timed(fn) -> float:
     # Start every timing with no dirty pages left from the previous one: otherwise kernel
     # writeback of earlier runs lands in whichever timing comes next.
     os.sync()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    CPU_SECONDS.setdefault(getattr(fn, "label", fn.__name__), []).append(time.process_time() - c0)
+    return elapsed
 
 
 def interleaved(fns, repeats) -> list[list[float]]:
@@ -117,6 +125,7 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
         our_write.ref = w.commit(cache=None)
         w.close()
 
+    CPU_SECONDS.clear()
     raw_w, our_w = interleaved([raw_write, our_write], repeats)
     paths = [f"{raw_write.base}/{i}" for i in range(len(objects))]
 
@@ -134,9 +143,10 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
         )
         assert got.tensors["full_attention/k"].shape == state["full_attention/k"].shape
 
-    raw_r, our_r, our_r_noverify = interleaved(
-        [raw_read, our_read, lambda: our_read(False)], repeats
-    )
+    def our_read_noverify():
+        our_read(verify=False)
+
+    raw_r, our_r, our_r_noverify = interleaved([raw_read, our_read, our_read_noverify], repeats)
     got = open_committed_state(
         our_write.ref, expect_weights_digest="w", expect_policy_version=0, cache=None
     )
@@ -162,6 +172,7 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
         "raw_read_MBps": mbps(t_raw_r),
         "longstraw_read_MBps": mbps(t_our_r),
         "read_back_bitwise": bitwise,
+        "client_cpu_s_median": {k: median(v) for k, v in CPU_SECONDS.items()},
     }
 
 

@@ -12,6 +12,8 @@ Protocol (DESIGN.md "Storage"), for the state directory D of one StateKey:
    back with read_shard). If it loses the race for shard k's manifest, it keeps going only when the
    winner's hashes equal its own (same bytes, so its later shards still extend the recorded state);
    otherwise ShardConflictError: its later shards would extend a state that is not the recorded one.
+   An attempt writes its array metadata and consolidates it (zarr's consolidated zarr.json)
+   before its first chunk; metadata never changes afterwards, so it is consolidated at commit.
 4. commit(): every shard manifest 0..S-1 present, every chunk they name present with its size,
    then COMMITTED.json (the union of the shard manifests + layout + digests) created EXCLUSIVELY.
    A loser of that race returns the winner's ref after checking it is the same key and layout.
@@ -157,7 +159,14 @@ class StateWriter:
             data = self.fs.cat_file(f"{self.dir_path}/{shard_manifest_name(k)}")
         except FileNotFoundError:
             return None
-        return ShardManifest.model_validate_json(data)
+        manifest = ShardManifest.model_validate_json(data)
+        if (manifest.token_start, manifest.token_end) != self.layout.shard_range(k):
+            raise StateMismatchError(
+                f"shard {k} of {self.dir_uri} covers tokens [{manifest.token_start}, "
+                f"{manifest.token_end}), this writer's layout says {self.layout.shard_range(k)}: "
+                "the prompt digest must cover the shard size too"
+            )
+        return manifest
 
     # ---------------------------------------------------------------- writing
     def write_shard(

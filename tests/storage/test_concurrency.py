@@ -9,7 +9,12 @@ import torch
 from helpers import assert_bitwise_equal, make_layout, make_state, run_prefill, shard_args
 
 from longstraw.schemas.storage import StateKey, StorageConfig
-from longstraw.storage import ShardConflictError, open_committed_state, open_state_writer
+from longstraw.storage import (
+    ShardConflictError,
+    StateMismatchError,
+    open_committed_state,
+    open_state_writer,
+)
 from longstraw.storage.exclusive import create_exclusive
 from longstraw.storage.paths import filesystem
 
@@ -90,3 +95,15 @@ def test_writer_whose_shard_differs_from_the_recorded_one_stops(root_uri):
     with pytest.raises(ValueError, match="shard 3 written before shard 2"):
         b.write_shard(3, *shard_args(layout, state, 3))
     assert torch.equal(b.read_shard(1).token_slices["mla/latent"], state["mla/latent"][:, 16:32])
+
+
+def test_writer_with_another_shard_size_is_refused(tmp_path):
+    config = StorageConfig(root_uri=str(tmp_path))
+    key = StateKey.policy("run", 2, "w", "sizes")
+    layout = make_layout("float32")
+    state = make_state(layout)
+    w = open_state_writer(config, key, layout)
+    w.write_shard(0, *shard_args(layout, state, 0))
+    other = make_layout("float32", shard_tokens=8)
+    with pytest.raises(StateMismatchError, match="shard size"):
+        open_state_writer(config, key, other, resume=True).read_shard(0)
