@@ -51,3 +51,14 @@ def load_tiny(checkpoint_dir) -> Callable[..., torch.nn.Module]:
         return model
 
     return load
+
+
+@pytest.fixture(scope="session")
+def load_tokenizer(checkpoint_dir) -> Callable[..., object]:
+    """`load_tokenizer(family)` -> the checkpoint's tokenizer as AutoTokenizer loads it."""
+    from transformers import AutoTokenizer
+
+    def load(family: str, size: str = "tiny"):
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir(family, size)))
+
+    return load

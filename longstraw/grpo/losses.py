@@ -366,17 +366,27 @@ def branch_loss(
     cfg: GRPOConfig,
     ref_logp_T: Tensor | None = None,
     mask_T: Tensor | None = None,
+    token_weights_T: Tensor | None = None,
 ) -> tuple[Tensor, BranchStats]:
-    """One branch's share of the batch loss: weight * sum_t mask_t * loss_t (a 0-d tensor).
+    """One branch's share of the batch loss: weight * sum_t mask_t * iw_t * loss_t (a 0-d tensor).
 
     `weight` is this branch's entry of `sequence_weights(...)`. Summed over the batch's branches
-    this equals `group_loss`, and so do the gradients.
+    this equals `group_loss`, and so do the gradients. `token_weights_T` (constants) are TRL's
+    truncated importance weights for responses sampled by another engine (`importance_weights`).
     """
     objective = get_loss(cfg.loss_type).per_token_objective
     loss_T, stats = objective(logp_T, old_logp_T, advantage, cfg, ref_logp_T, mask_T)
     mask = torch.ones_like(loss_T) if mask_T is None else mask_T.to(loss_T.dtype)
+    if token_weights_T is not None:
+        mask = mask * token_weights_T.to(loss_T.dtype).detach()
     w = torch.as_tensor(weight, dtype=loss_T.dtype, device=loss_T.device)
     return w * (loss_T * mask).sum(), stats
+
+
+def importance_weights(old_logp_T: Tensor, sampler_logp_T: Tensor, cap: float) -> Tensor:
+    """TRL's truncated importance sampling weight for another engine's samples (TIS):
+    min(exp(logp_old - logp_sampler), cap), per token, without gradient."""
+    return torch.exp(old_logp_T.detach().double() - sampler_logp_T.double()).clamp(max=cap)
 
 
 # TRL 1.16's aggregations, transcribed (num_processes = accumulation steps = 1).
@@ -398,6 +408,7 @@ def group_loss(
     cfg: GRPOConfig,
     ref_logp_GT: Tensor | None = None,
     num_items_in_batch: float | None = None,
+    token_weights_GT: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The reference: TRL 1.16's batched `_compute_loss` on a padded [G, T] batch, line for line.
 
@@ -429,6 +440,8 @@ def group_loss(
         ref = ref_logp_GT.to(dtype)
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
+    if token_weights_GT is not None:
+        per_token_loss = per_token_loss * token_weights_GT.to(dtype)
 
     n = (
         mask.sum()

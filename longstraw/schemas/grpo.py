@@ -62,6 +62,15 @@ class GRPOConfig(BaseModel):
     mask_truncated_completions: bool = False
     """Exclude completions that hit `max_completion_length` without an end token from the loss."""
 
+    vllm_importance_sampling_correction: bool = True
+    """For responses generated elsewhere (`sampler_logprobs` given): multiply each token's loss by
+    the truncated importance weight min(exp(logp_old - logp_sampler), cap), correcting the
+    sampler/trainer mismatch as TRL does for vLLM rollouts (TIS). No effect on LongStraw's own
+    rollouts, whose sampler log-probs are the trainer's."""
+
+    vllm_importance_sampling_cap: float = Field(default=2.0, gt=0.0)
+    """Truncation cap of that importance weight (TRL's default 2.0)."""
+
     num_iterations: int = Field(default=1, ge=1)
     """Optimiser updates per rollout (mu in the GRPO paper). With 1 the old log-probs equal the
     current ones and need not be computed."""

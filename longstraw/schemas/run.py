@@ -75,6 +75,9 @@ class JsonlDataConfig(_Section):
     """The JSONL prompt dataset."""
     rewards: list[str] = Field(min_length=1)
     """Reward specs used for records that do not name their own `reward`."""
+    responses_path: str | None = None
+    """Responses generated elsewhere (JSONL of `ResponseRecord`, docs/data.md), keyed by prompt
+    id: train on them instead of sampling here. Each must name the current policy version."""
 
 
 DataConfig = Annotated[HaystackDataConfig | JsonlDataConfig, Field(discriminator="type")]

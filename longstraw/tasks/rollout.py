@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from prefect import task
 
-from longstraw.engine.rollout import sample_responses, score_responses
+from longstraw.engine.rollout import score_responses
 from longstraw.grpo.rewards import score_group
 from longstraw.schemas.refs import PromptRef, RolloutRef
 from longstraw.schemas.run import RunConfig
 from longstraw.tasks import runtime
 from longstraw.tasks.policies import retry_on_transient
-from longstraw.training.step import GroupRollout, reference_logprobs, sampling_params
+from longstraw.training.step import GroupRollout, group_responses, reference_logprobs
 
 
 @task(name="rollout_group", retries=1, retry_condition_fn=retry_on_transient)
@@ -21,9 +21,7 @@ def rollout_group(config: RunConfig, prompt: PromptRef) -> RolloutRef:
     session = runtime.session(ctx, example)
     state, outcome = session.finish()
     with runtime.timed(config.run_id, "rollout"):
-        responses = sample_responses(
-            ctx.model, state, sampling_params(ctx), generator=ctx.generator, tokenizer=ctx.tokenizer
-        )
+        responses, weights = group_responses(ctx, example, state)
     with runtime.timed(config.run_id, "reward"):
         rewards = score_group(
             example.rewards,
@@ -32,7 +30,9 @@ def rollout_group(config: RunConfig, prompt: PromptRef) -> RolloutRef:
             [r.text or "" for r in responses],
             example.metadata,
         )
-    rollout = GroupRollout(example, state, outcome, responses, [float(r) for r in rewards])
+    rollout = GroupRollout(
+        example, state, outcome, responses, [float(r) for r in rewards], importance_weights=weights
+    )
     handle = runtime.put_rollout(ctx, rollout)
     runtime.emit("rollout", prompt=prompt.prompt_id, rewards=rollout.rewards)
     return RolloutRef(

@@ -68,6 +68,13 @@ class JsonlPrompts:
         self.records = list(read_prompt_dataset(config.path))
         if not self.records:
             raise ValueError(f"{config.path} holds no prompts")
+        self.imported = None
+        if config.responses_path is not None:
+            from longstraw.training.imported import ImportedResponses
+
+            self.imported = ImportedResponses(
+                config.responses_path, tokenizer, prompt_ids={r.id for r in self.records}
+            )
 
     def __call__(self, index: int) -> PromptExample:
         record = self.records[index % len(self.records)]

@@ -24,6 +24,7 @@ from longstraw.grpo.rewards import score_group
 from longstraw.schemas.results import GroupStats, StepMetrics
 from longstraw.schemas.storage import StateKey
 from longstraw.training.context import RunContext
+from longstraw.training.imported import imported_importance_weights
 from longstraw.training.persisted_prefill import PrefillOutcome, persisted_prefill
 from longstraw.training.prompts import PromptExample
 
@@ -38,6 +39,8 @@ class GroupRollout:
     responses: list[Response]
     rewards: list[float]
     seconds: dict[str, float] = field(default_factory=dict)
+    importance_weights: list[torch.Tensor] | None = None
+    """[G][R_i] truncated importance weights of imported responses (None for own rollouts)."""
 
 
 def policy_state(ctx: RunContext, example: PromptExample) -> tuple[PrefixState, PrefillOutcome]:
@@ -73,9 +76,7 @@ def rollout_group(ctx: RunContext, example: PromptExample) -> GroupRollout:
     state, outcome = policy_state(ctx, example)
     seconds["prefill"] = time.perf_counter() - started
     started = time.perf_counter()
-    responses = sample_responses(
-        ctx.model, state, sampling_params(ctx), generator=ctx.generator, tokenizer=ctx.tokenizer
-    )
+    responses, weights = group_responses(ctx, example, state)
     seconds["rollout"] = time.perf_counter() - started
     started = time.perf_counter()
     rewards = score_group(
@@ -86,7 +87,33 @@ def rollout_group(ctx: RunContext, example: PromptExample) -> GroupRollout:
         example.metadata,
     )
     seconds["reward"] = time.perf_counter() - started
-    return GroupRollout(example, state, outcome, responses, [float(r) for r in rewards], seconds)
+    return GroupRollout(
+        example, state, outcome, responses, [float(r) for r in rewards], seconds, weights
+    )
+
+
+def group_responses(
+    ctx: RunContext, example: PromptExample, state: PrefixState
+) -> tuple[list[Response], list[torch.Tensor] | None]:
+    """Sample the group here, or take it from the run's imported responses (with TIS weights)."""
+    imported = getattr(ctx.source, "imported", None)
+    if imported is None:
+        responses = sample_responses(
+            ctx.model, state, sampling_params(ctx), generator=ctx.generator, tokenizer=ctx.tokenizer
+        )
+        return responses, None
+    responses = imported.group(example.prompt_id, ctx.policy_version)
+    cfg = ctx.config.grpo
+    weights = None
+    if cfg.vllm_importance_sampling_correction:
+        weights = imported_importance_weights(
+            ctx.model,
+            state,
+            responses,
+            temperature=cfg.temperature,
+            cap=cfg.vllm_importance_sampling_cap,
+        )
+    return responses, weights
 
 
 def reference_logprobs(ctx: RunContext, rollout: GroupRollout) -> list[torch.Tensor] | None:
@@ -148,6 +175,7 @@ def group_gradient(
         num_items_in_batch=num_items_in_batch,
         num_sequences_in_batch=num_sequences_in_batch,
         grad_buffer=grads,
+        importance_weights=rollout.importance_weights,
     )
     return grads, stats
 
