@@ -71,7 +71,7 @@ def test_responses_of_another_policy_version_are_refused(dataset):
     imported = ImportedResponses(
         str(responses_path), tokenizer=None
     )  # ids given: no decoding needed
-    with pytest.raises(ValueError, match="policy version 0.*at version 3"):
+    with pytest.raises(ValueError, match=r"policy version 0.*at version 3"):
         imported.group("p0", policy_version=3)
 
 
