@@ -1,1 +1,36 @@
+"""torch.distributed pieces: sequence-sharded prompt state, cross-rank attention, reduction.
 
+See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
+`sharded_branch_logprobs`, `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`,
+`scatter_state` / `gather_state`.
+"""
+
+from longstraw.distributed.launch import RankFailedError, run_on_ranks
+from longstraw.distributed.sharded_group import reduce_gradients, sharded_group_gradients
+from longstraw.distributed.sharded_prefill import sharded_prefill
+from longstraw.distributed.sharded_replay import (
+    sharded_branch_logprobs,
+    sharded_sweep,
+    zeros_cotangent,
+)
+from longstraw.distributed.sharded_state import (
+    ShardedPrefixState,
+    gather_state,
+    rank_shard_ranges,
+    scatter_state,
+)
+
+__all__ = [
+    "RankFailedError",
+    "ShardedPrefixState",
+    "gather_state",
+    "rank_shard_ranges",
+    "reduce_gradients",
+    "run_on_ranks",
+    "scatter_state",
+    "sharded_branch_logprobs",
+    "sharded_group_gradients",
+    "sharded_prefill",
+    "sharded_sweep",
+    "zeros_cotangent",
+]

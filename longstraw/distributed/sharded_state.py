@@ -193,12 +193,11 @@ def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = No
         parts = [torch.empty_like(padded) for _ in ranges]
         dist.all_gather(parts, padded, group=group)
         whole = getattr(state, name)
-        for r, (owned, size, part) in enumerate(zip(ranges, sizes, parts, strict=True)):
+        for owned, size, part in zip(ranges, sizes, parts, strict=True):
             if name in ("keys", "values"):
                 start = local.bounds[owned[0]][0]
                 whole[:, start : start + size] = part[:, :size]
             else:
                 # Rank r's last entry (end of its last shard) is rank r+1's first: same bits.
                 whole[:, owned[0] : owned[-1] + 2] = part[:, :size]
-            del r
     return state
