@@ -24,11 +24,16 @@ def retry_on_transient(task, task_run, state) -> bool:
 
 
 def prefill_shard_cache_key(context, parameters) -> str:
-    """(task name, weights digest, prompt digest, shard index, config digest)."""
+    """(task name, run, weights digest, prompt digest, version, shard index, config digest).
+
+    The run id is part of the key because the shard lives in the run's storage key space
+    (`StateKey.policy`): a cache hit must mean "this run's storage holds the shard".
+    """
     prompt = parameters["prompt"]
     return "-".join(
         (
             "prefill_prompt_shard",
+            parameters["config"].run_id,
             prompt.weights_digest[:24],
             prompt.prompt_digest[:24],
             f"v{prompt.policy_version}",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import logging
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
+from prefect.settings import PREFECT_HOME
 from pydantic import BaseModel, ConfigDict
 
 from longstraw.schemas.refs import PromptRef, ShardRef
@@ -14,7 +16,15 @@ from longstraw.schemas.storage import PrefixStateRef
 from longstraw.tasks import runtime
 from longstraw.tasks.policies import retry_on_transient, serializable_cache_policy
 
-_LOCKS = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser() / "longstraw-locks"
+_LOCKS = Path(PREFECT_HOME.value()).expanduser() / "longstraw-locks"
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger; a plain logger when called as `.fn()` outside any run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 @task(
@@ -44,7 +54,7 @@ def prefill_prompt_shard(
     runtime.emit(
         "prefill_shard", prompt=prompt.prompt_id, shard=shard, num_shards=prompt.num_shards
     )
-    get_run_logger().debug(
+    _logger().debug(
         "shard %d of %s: %s", shard, prompt.prompt_id, "computed" if computed else "read back"
     )
     return ShardRef(

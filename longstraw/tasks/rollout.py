@@ -50,15 +50,15 @@ def rollout_group(config: RunConfig, prompt: PromptRef) -> RolloutRef:
 def score_branches(config: RunConfig, rollout: RolloutRef, which: str) -> list[list[float]] | None:
     """No-grad log-probs of the group's responses: `which` is "reference" (KL term, beta > 0;
     None without a reference model) or "old" (the rollout policy, for num_iterations > 1)."""
+    if which not in ("reference", "old"):
+        raise ValueError(f"which must be 'reference' or 'old', got {which!r}")
     ctx = runtime.run_context(config)
     group = runtime.get_rollout(rollout.handle)
     if which == "reference":
         with runtime.timed(config.run_id, "reference"):
             scored = reference_logprobs(ctx, group)
-    elif which == "old":
+    else:
         scored = score_responses(
             ctx.model, group.state, rollout.response_ids, temperature=config.grpo.temperature
         )
-    else:
-        raise ValueError(f"which must be 'reference' or 'old', got {which!r}")
     return None if scored is None else [t.tolist() for t in scored]

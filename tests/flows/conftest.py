@@ -1,0 +1,70 @@
+"""Prefect fixtures: a private PREFECT_HOME, ONE test harness per session, shared tiny runs.
+
+Prefect reads its settings when it is first imported, so the environment is set here, at import
+of this conftest (before any test module imports prefect), and again as temporary settings in
+the harness. `prefect_test_harness` costs 9–15 s (NOTES): it is started once per session, and
+only when a test asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# One private Prefect home for the whole session (results, locks, the harness's settings); a
+# user's configured server (PREFECT_API_URL) must never receive test runs.
+PREFECT_TEST_HOME = Path(tempfile.mkdtemp(prefix="longstraw-prefect-"))
+os.environ["PREFECT_HOME"] = str(PREFECT_TEST_HOME)
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(PREFECT_TEST_HOME / "results")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("PREFECT_PROFILES_PATH", None)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect API (SQLite in a temp dir) for every flow of the session."""
+    from prefect.settings import (
+        PREFECT_HOME,
+        PREFECT_LOCAL_STORAGE_PATH,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    with temporary_settings(
+        updates={
+            PREFECT_HOME: PREFECT_TEST_HOME,
+            PREFECT_LOCAL_STORAGE_PATH: PREFECT_TEST_HOME / "results",
+            PREFECT_SERVER_ANALYTICS_ENABLED: False,
+        }
+    ):
+        # 120 s: a first start on a loaded 2-core machine can exceed the default 30 s.
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory) -> Path:
+    """Storage root shared by the session's tiny runs (the initial checkpoint is built once;
+    each run has its own run_id and so its own key space)."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def in_process_digest(runs_root) -> str:
+    """Final weights digest of the tiny 2-step run by the pure in-process loop (no Prefect)."""
+    from flow_helpers import final_weights_digest, tiny_run_config
+
+    from longstraw.training.loop import train
+
+    config = tiny_run_config(runs_root, "in-process", num_steps=2)
+    ctx = train(config)
+    assert [m.step for m in ctx.history] == [0, 1]
+    assert any(m.loss != 0.0 for m in ctx.history), "tiny run has zero loss: weights cannot differ"
+    return final_weights_digest(config)

@@ -1,0 +1,75 @@
+"""A whole `grpo_step` flow on the session's Prefect harness: metrics, checkpoint, artifacts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from flow_helpers import (
+    NUM_GENERATIONS,
+    NUM_SHARDS,
+    PROMPT_TOKENS,
+    artifacts_of,
+    state_names,
+    task_runs_of,
+    tiny_run_config,
+)
+
+pytestmark = pytest.mark.prefect
+
+
+def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
+    prefect_harness, runs_root
+):
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.flows.grpo_step import grpo_step
+    from longstraw.models.checkpoint import read_checkpoint_metadata
+    from longstraw.storage.checkpoints import latest_checkpoint
+    from longstraw.tasks import runtime
+
+    config = tiny_run_config(runs_root, "grpo-step-flow", num_steps=2)
+    runtime.forget_run(config.run_id)
+
+    state = grpo_step(config, return_state=True)
+    assert state.is_completed(), state
+    metrics = state.result()
+
+    assert metrics.step == 0 and metrics.policy_version == 0
+    assert metrics.num_groups == 1
+    assert metrics.prompt_tokens == PROMPT_TOKENS
+    assert 0 < metrics.completion_tokens <= NUM_GENERATIONS * 2
+    assert metrics.shards_computed == NUM_SHARDS and metrics.shards_reused == 0
+    assert metrics.grad_norm > 0 and math.isfinite(metrics.loss)
+    assert metrics.reward_std > 0, "the tiny reward must vary, or the step trains nothing"
+    # (write_checkpoint runs after summarize_step, so its seconds land in the next step's record.)
+    assert {"prefill", "rollout", "replay", "sweep", "update"} <= set(metrics.seconds), (
+        metrics.seconds
+    )
+
+    # checkpoint_every=1: the step's update (version 1) was committed and loads in transformers.
+    path = latest_checkpoint(config.storage, config.run_id)
+    assert path is not None and path.name == "v000001"
+    assert read_checkpoint_metadata(path).policy_version == 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+    flow_run_id = state.state_details.flow_run_id
+    runs = task_runs_of(flow_run_id)
+    assert state_names(runs, "prefill_prompt_shard") == ["Completed"] * NUM_SHARDS
+    for name in ("plan_step", "commit_prompt_state", "rollout_group", "compute_advantages"):
+        assert state_names(runs, name) == ["Completed"], (name, [r.name for r in runs])
+    for name in ("backward_group", "reduce_gradients", "apply_update", "summarize_step"):
+        assert state_names(runs, name) == ["Completed"], (name, [r.name for r in runs])
+    assert state_names(runs, "write_checkpoint") == ["Completed"]
+
+    artifacts = {a.type: a for a in artifacts_of(flow_run_id)}
+    assert artifacts["progress"].data == pytest.approx(100.0)
+    table = artifacts["table"]
+    assert table.key == "grpo-step-flow-step"
+    rows = table.data if isinstance(table.data, list) else json.loads(table.data)
+    assert rows[0]["step"] == 0
+    assert rows[0]["shards_computed"] == NUM_SHARDS
+    assert rows[0]["reward_mean"] == pytest.approx(metrics.reward_mean)
+    assert "seconds_replay" in rows[0]
