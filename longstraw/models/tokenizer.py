@@ -2,7 +2,8 @@
 
 The tokenizer is trained on a deterministic synthetic corpus that covers what LongStraw's synthetic
 tasks write (English filler words, `key = value` records, digits, punctuation), so a haystack
-prompt encodes to a realistic ~4 bytes/token rather than one token per byte. Byte-level BPE keeps
+prompt encodes to fewer tokens than bytes: measured on 4001-token haystack prompts, 1.67
+bytes/token at the tiny vocab (512) and 2.14 at the small vocab (2048). Byte-level BPE keeps
 every string encodable: unknown text falls back to byte tokens.
 """
 

@@ -58,6 +58,7 @@ class HaystackDataConfig(_Section):
     """Synthetic long-context prompts generated locally, one task per prompt."""
 
     type: Literal["haystack"] = "haystack"
+    """Discriminator of the `data` section."""
     task: HaystackTaskConfig = Field(default_factory=lambda: HaystackTaskConfig.tiny())
     """The task template; each prompt uses `task.seed + prompt index` as its seed."""
     num_prompts: int = Field(default=64, ge=1)
@@ -71,6 +72,7 @@ class JsonlDataConfig(_Section):
     """Users' prompts from a JSONL file (format: docs/data.md)."""
 
     type: Literal["jsonl"] = "jsonl"
+    """Discriminator of the `data` section."""
     path: str
     """The JSONL prompt dataset."""
     rewards: list[str] = Field(min_length=1)
@@ -111,7 +113,9 @@ class RunConfig(_Section):
     run_id: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Name of the run: the storage key space and checkpoint folder (letters, digits, . _ -)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The checkpoint to train and its dtype."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    """Prefill sharding and the prompt-gradient mode."""
     grpo: GRPOConfig = Field(
         # The demo's settings: a tiny random model learns to answer in the value alphabet within
         # a few steps at this learning rate (TRL's default 1e-6 suits pretrained models).
@@ -119,10 +123,15 @@ class RunConfig(_Section):
             num_generations=8, max_completion_length=3, learning_rate=1e-2, loss_type="grpo"
         )
     )
+    """GRPO algorithm and optimizer knobs, with TRL's `GRPOConfig` names."""
     data: DataConfig = Field(default_factory=HaystackDataConfig)
+    """Where prompts come from: `type: haystack` (synthetic) or `type: jsonl` (a user dataset)."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """Steps, groups per step, checkpoint cadence and seed."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    """Where prompt states and checkpoints live, and how prompt states are persisted."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """torch.distributed processes sharing one step."""
 
     @model_validator(mode="after")
     def _reference_needs_beta(self) -> RunConfig:

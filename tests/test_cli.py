@@ -1,0 +1,85 @@
+"""`longstraw` CLI through typer's CliRunner: init-model writes a checkpoint transformers loads,
+and bad choices are rejected with a message that lists the valid ones."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from longstraw.cli import app
+from longstraw.models.checkpoint import read_checkpoint_metadata, weights_digest_of
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def plain(text: str) -> str:
+    """CLI output without rich's colour codes and box drawing, whitespace collapsed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    text = re.sub(r"[│╭╮╰╯─]", " ", text)
+    return " ".join(text.split())
+
+
+def test_init_model_writes_a_loadable_checkpoint(runner, tmp_path):
+    out = tmp_path / "ckpt"
+    result = runner.invoke(
+        app, ["init-model", "--family", "qwen3_5", "--size", "tiny", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and "qwen3_5_text" in result.output, result.output
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = tokenizer("key 12 is A", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    assert read_checkpoint_metadata(out).weights_digest == weights_digest_of(out)
+
+
+def test_init_model_seed_and_dtype_options(runner, tmp_path):
+    args = ["init-model", "--family", "llama", "--seed", "7", "--dtype", "bfloat16"]
+    assert runner.invoke(app, [*args, "--out", str(tmp_path / "a")]).exit_code == 0
+    assert runner.invoke(app, [*args, "--out", str(tmp_path / "b")]).exit_code == 0
+    digest = read_checkpoint_metadata(tmp_path / "a").weights_digest
+    assert digest == read_checkpoint_metadata(tmp_path / "b").weights_digest
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "a")).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "choices"),
+    [
+        ("--family", "gpt2", "choose one of llama, qwen3, qwen3_5, qwen3_next, glm_moe_dsa"),
+        ("--size", "huge", "choose one of tiny, small"),
+        ("--dtype", "float16", "choose float32 or bfloat16"),
+    ],
+)
+def test_init_model_rejects_unknown_choices_with_a_message(
+    runner, tmp_path, option, value, choices
+):
+    args = {"--family": "llama", "--size": "tiny", "--dtype": "float32"}
+    args[option] = value
+    flat = [part for pair in args.items() for part in pair]
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["init-model", *flat, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    message = plain(result.output)
+    assert option in message and choices in message, message
+    assert not out.exists()
+
+
+def test_init_model_requires_family_and_out(runner):
+    result = runner.invoke(app, ["init-model"])
+    assert result.exit_code == 2
+    assert "--family" in plain(result.output)
+
+
+def test_help_lists_the_commands(runner):
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("init-model", "train", "state", "bench"):
+        assert command in result.output, result.output
