@@ -37,16 +37,14 @@ def prefect_harness():
     )
     from prefect.testing.utilities import prefect_test_harness
 
-    with temporary_settings(
-        updates={
-            PREFECT_HOME: PREFECT_TEST_HOME,
-            PREFECT_LOCAL_STORAGE_PATH: PREFECT_TEST_HOME / "results",
-            PREFECT_SERVER_ANALYTICS_ENABLED: False,
-        }
-    ):
-        # 120 s: a first start on a loaded 2-core machine can exceed the default 30 s.
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
+    settings = {
+        PREFECT_HOME: PREFECT_TEST_HOME,
+        PREFECT_LOCAL_STORAGE_PATH: PREFECT_TEST_HOME / "results",
+        PREFECT_SERVER_ANALYTICS_ENABLED: False,
+    }
+    # 120 s: a first start on a loaded 2-core machine can exceed the default 30 s.
+    with temporary_settings(updates=settings), prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -66,5 +64,5 @@ def in_process_digest(runs_root) -> str:
     config = tiny_run_config(runs_root, "in-process", num_steps=2)
     ctx = train(config)
     assert [m.step for m in ctx.history] == [0, 1]
-    assert any(m.loss != 0.0 for m in ctx.history), "tiny run has zero loss: weights cannot differ"
+    assert all(m.grad_norm > 0 for m in ctx.history), "zero gradient: digests could not differ"
     return final_weights_digest(config)
