@@ -45,7 +45,24 @@ def prefill_prompt_shard(
     crash skips every shard that finished; the storage manifest stays the source of truth (a
     later shard reads earlier ones back from storage when they are not in this process).
     """
+    # Refused before any compute: a wrong shard index would prefill the whole prompt first, and
+    # a digest or version that is not this run's would cache the shard under a key that lies.
+    if not 0 <= shard < prompt.num_shards:
+        raise ValueError(
+            f"shard {shard} is out of range: prompt {prompt.prompt_id} has {prompt.num_shards} "
+            "shards (plan_step gives the count)"
+        )
+    if config_digest != runtime.config_digest(config):
+        raise ValueError(
+            f"config_digest {config_digest!r} is not this config's "
+            f"({runtime.config_digest(config)!r}): pass runtime.config_digest(config)"
+        )
     ctx = runtime.run_context(config)
+    if (prompt.policy_version, prompt.weights_digest) != (ctx.policy_version, ctx.weights_digest):
+        raise ValueError(
+            f"prompt {prompt.prompt_id} was planned at policy version {prompt.policy_version}, "
+            f"the run is at version {ctx.policy_version}: plan the step again (plan_step)"
+        )
     session = runtime.session(ctx, ctx.source(prompt.index))
     before = session.shards_computed
     with runtime.timed(config.run_id, "prefill"):

@@ -17,6 +17,7 @@ import pytest
 # One private Prefect home for the whole session (results, locks, the harness's settings); a
 # user's configured server (PREFECT_API_URL) must never receive test runs.
 PREFECT_TEST_HOME = Path(tempfile.mkdtemp(prefix="longstraw-prefect-"))
+os.environ["LONGSTRAW_TEST_PREFECT_HOME"] = str(PREFECT_TEST_HOME)
 os.environ["PREFECT_HOME"] = str(PREFECT_TEST_HOME)
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(PREFECT_TEST_HOME / "results")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"

@@ -1,0 +1,260 @@
+"""LongStraw's Prefect tasks called as plain functions (`.fn()`): refs in, refs out.
+
+No Prefect API is involved: `.fn()` runs the task body in this process, against the
+process-local registry (`longstraw.tasks.runtime`) and the run's storage under tmp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from longstraw.grpo.advantages import group_advantages
+from longstraw.grpo.rewards import register_reward
+from longstraw.models.checkpoint import read_checkpoint_metadata
+from longstraw.schemas.data import HaystackTaskConfig
+from longstraw.schemas.refs import GradRef, PromptRef, RolloutRef
+from longstraw.schemas.run import RunConfig
+from longstraw.tasks import runtime
+from longstraw.tasks.backward import apply_update, backward_group, reduce_gradients
+from longstraw.tasks.plan import compute_advantages, plan_step
+from longstraw.tasks.policies import retry_on_transient
+from longstraw.tasks.prefill import commit_prompt_state, prefill_prompt_shard
+from longstraw.tasks.rollout import rollout_group, score_branches
+from longstraw.training.context import initial_checkpoint
+
+PROMPT_TOKENS = 63
+SHARD_TOKENS = 24
+NUM_SHARDS = 3  # ceil((63 - 1) / 24)
+
+
+@register_reward("tasks_test_checksum")
+def _checksum_reward(prompt: str, response: str, metadata: dict) -> float:
+    """Differs between responses, so advantages and gradients are non-zero."""
+    return (sum(response.encode()) % 11) / 10.0
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("task-runs")
+
+
+def tiny_config(root, run_id: str, **grpo) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "run_id": run_id,
+            "engine": {"shard_tokens": SHARD_TOKENS, "prompt_grad": "exact"},
+            "grpo": {
+                "num_generations": 3,
+                "max_completion_length": 2,
+                "learning_rate": 1e-2,
+                "loss_type": "grpo",
+                **grpo,
+            },
+            "data": {
+                "type": "haystack",
+                "num_prompts": 4,
+                "rewards": ["tasks_test_checksum"],
+                "task": HaystackTaskConfig.tiny(num_prompt_tokens=PROMPT_TOKENS).model_dump(),
+            },
+            "train": {"num_steps": 2, "groups_per_step": 1},
+            "storage": {"root_uri": str(root), "persist_mode": "synchronous"},
+        }
+    )
+
+
+def _prompt(config) -> PromptRef:
+    (prompt,) = plan_step.fn(config)
+    return prompt
+
+
+def test_plan_step_returns_the_steps_prompt_refs_at_the_current_version(root):
+    config = tiny_config(root, "plan")
+    runtime.forget_run(config.run_id)
+    prompts = plan_step.fn(config)
+
+    assert len(prompts) == config.train.groups_per_step == 1
+    (prompt,) = prompts
+    ctx = runtime.run_context(config)
+    example = ctx.source(0)
+    assert prompt.index == 0
+    assert prompt.prompt_id == example.prompt_id
+    assert prompt.prompt_digest == example.digest
+    assert prompt.num_tokens == PROMPT_TOKENS
+    assert prompt.num_shards == NUM_SHARDS
+    assert prompt.policy_version == 0
+    initial = read_checkpoint_metadata(initial_checkpoint(config)).weights_digest
+    assert prompt.weights_digest == initial
+
+
+def test_prefill_shard_tasks_compute_each_shard_once_and_commit_counts_them(root):
+    config = tiny_config(root, "prefill")
+    runtime.forget_run(config.run_id)
+    prompt = _prompt(config)
+    digest = runtime.config_digest(config)
+
+    first = prefill_prompt_shard.fn(config, prompt, 0, digest)
+    assert (first.shard, first.computed, first.policy_version) == (0, True, 0)
+    assert first.prompt_digest == prompt.prompt_digest
+    assert first.weights_digest == prompt.weights_digest
+    # The same shard again is already in the session: nothing computed.
+    assert prefill_prompt_shard.fn(config, prompt, 0, digest).computed is False
+    assert prefill_prompt_shard.fn(config, prompt, NUM_SHARDS - 1, digest).computed is True
+
+    report = commit_prompt_state.fn(config, prompt)
+    assert (report.shards_computed, report.shards_reused) == (NUM_SHARDS, 0)
+    assert report.ref is not None and report.ref.num_tokens == PROMPT_TOKENS - 1
+
+    # A fresh process (registry forgotten) reads the committed state back: nothing recomputed.
+    runtime.forget_run(config.run_id)
+    again = commit_prompt_state.fn(config, _prompt(config))
+    assert (again.shards_computed, again.shards_reused) == (0, NUM_SHARDS)
+    assert again.ref == report.ref
+
+
+def test_compute_advantages_matches_group_advantages_and_fixes_the_normalisers(root):
+    config = tiny_config(root, "advantages", mask_truncated_completions=True)
+    prompt = PromptRef(
+        index=0,
+        prompt_id="p",
+        prompt_digest="d",
+        num_tokens=PROMPT_TOKENS,
+        num_shards=NUM_SHARDS,
+        policy_version=0,
+        weights_digest="w",
+    )
+    rewards = [[0.0, 1.0, 0.5], [0.25, 0.25, 1.0]]
+    lengths = [[2, 1, 2], [1, 2, 2]]
+    truncated = [[True, False, False], [False, False, True]]
+    rollouts = [
+        RolloutRef(
+            handle=f"h{g}",
+            prompt=prompt,
+            response_ids=[[7] * n for n in lengths[g]],
+            sampler_logprobs=[[-1.0] * n for n in lengths[g]],
+            texts=["x"] * 3,
+            truncated=truncated[g],
+            rewards=rewards[g],
+        )
+        for g in range(2)
+    ]
+    plan = compute_advantages.fn(config, rollouts)
+
+    expected = group_advantages(torch.tensor(rewards, dtype=torch.float64), "group")
+    assert torch.equal(torch.tensor(plan.advantages, dtype=torch.float64), expected)
+    # Truncated completions are masked out of the loss (mask_truncated_completions).
+    assert plan.loss_masks == [[[0.0, 0.0], [1.0], [1.0, 1.0]], [[1.0], [1.0, 1.0], [0.0, 0.0]]]
+    assert plan.num_items_in_batch == 6.0
+    assert plan.num_sequences_in_batch == 6
+
+
+def test_invalid_run_configs_are_refused_when_built():
+    for bad in (
+        {"run_id": "runs/a"},
+        {"engine": {"shard_tokens": 0}},
+        {"grpo": {"num_generations": 1}},
+        {"train": {"num_steps": 0}},
+        {"storage": {"root_uri": "gs://bucket"}},
+        {"model": {"dtype": "float16"}},
+        {"trian": {}},
+    ):
+        with pytest.raises(ValidationError):
+            RunConfig.model_validate(bad)
+
+
+def test_tasks_refuse_bad_parameters_before_any_compute(root):
+    config = tiny_config(root, "refuse")
+    runtime.forget_run(config.run_id)
+    prompt = _prompt(config)
+    digest = runtime.config_digest(config)
+    session = runtime.session(runtime.run_context(config), runtime.run_context(config).source(0))
+
+    with pytest.raises(ValueError, match="out of range"):
+        prefill_prompt_shard.fn(config, prompt, NUM_SHARDS, digest)
+    with pytest.raises(ValueError, match="config_digest"):
+        prefill_prompt_shard.fn(config, prompt, 0, "0" * 16)
+    stale = prompt.model_copy(update={"policy_version": 1})
+    with pytest.raises(ValueError, match="plan the step again"):
+        prefill_prompt_shard.fn(config, stale, 0, digest)
+    assert session.shards_computed == 0
+
+    with pytest.raises(ValueError, match="'reference' or 'old'"):
+        score_branches.fn(config, None, "new")
+
+    def grad_ref(version: int) -> GradRef:
+        return GradRef(uri=f"memory://grads/none-{version}", digest="x", policy_version=version)
+
+    with pytest.raises(ValueError, match="different policy versions"):
+        reduce_gradients.fn([grad_ref(0), grad_ref(1)])
+
+    ctx = runtime.run_context(config)
+    before = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+    with pytest.raises(ValueError, match="recompute the step's backward"):
+        apply_update.fn(config, grad_ref(5), final_of_step=True)
+    assert ctx.policy_version == 0 and ctx.optimizer.step_count == 0
+    for name, p in ctx.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_backward_group_retried_after_a_failure_mid_sweep_gives_the_same_gradient(
+    root, monkeypatch
+):
+    import longstraw.engine.group as group_module
+
+    config = tiny_config(root, "retry")
+    runtime.forget_run(config.run_id)
+    prompt = _prompt(config)
+    commit_prompt_state.fn(config, prompt)
+    rollout = rollout_group.fn(config, prompt)
+    plan = compute_advantages.fn(config, [rollout])
+
+    def backward():
+        return backward_group.fn(
+            config,
+            rollout,
+            plan.advantages[0],
+            plan.loss_masks[0],
+            plan.num_items_in_batch,
+            plan.num_sequences_in_batch,
+        )
+
+    clean = backward()
+
+    # Fail after every branch and the first swept shard were drained into the task's buffers.
+    real_sweep = group_module.sweep_prompt_shards
+
+    def failing_sweep(model, state, cotangent, after_shard):
+        def after(shard):
+            after_shard(shard)
+            raise OSError("injected: storage went away mid-sweep")
+
+        return real_sweep(model, state, cotangent, after_shard=after)
+
+    monkeypatch.setattr(group_module, "sweep_prompt_shards", failing_sweep)
+    with pytest.raises(OSError, match="injected"):
+        backward()
+    monkeypatch.setattr(group_module, "sweep_prompt_shards", real_sweep)
+    retried = backward()
+
+    assert retried.digest == clean.digest, "a retry must start from zeroed buffers"
+    assert retried.policy_version == clean.policy_version == 0
+    grads = runtime.take_grads(retried).grads
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+    runtime.take_grads(clean)
+
+
+class _State:
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_retry_condition_retries_transient_faults_only():
+    assert retry_on_transient(None, None, _State(OSError("disk"))) is True
+    assert retry_on_transient(None, None, _State(TimeoutError())) is True
+    assert retry_on_transient(None, None, _State(ValueError("bad input"))) is False
+    assert retry_on_transient(None, None, _State(None)) is False
