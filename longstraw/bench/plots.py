@@ -120,6 +120,10 @@ def draw_all(results: Path, out_dir: Path) -> list[Path]:
         ("prefill", _plot_prefill),
     ):
         data = _load(results, suite)
+        if data is not None and suite == "context":
+            # Extra lengths measured by separate invocations (context_*.json) join the same plot.
+            for extra in sorted(results.glob("context_*.json")):
+                data["runs"] = data["runs"] + json.loads(extra.read_text())["runs"]
         if data is not None and data.get("summary"):
             written.append(draw(data, out_dir))
     return written
