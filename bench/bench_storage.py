@@ -257,6 +257,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg(),
         },
     }
     local_root = tempfile.mkdtemp(prefix="longstraw-bench-", dir=os.environ.get("BENCH_TMP"))
