@@ -1,0 +1,94 @@
+"""SIGKILL `longstraw train` after a step's prompt state is committed, before its checkpoint;
+`--resume` completes the run, reuses every committed shard and ends on the uninterrupted weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from flow_helpers import NUM_SHARDS, final_weights_digest, tiny_run_config, write_run_yaml
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+RUN_ID = "crash"
+FLOWS_DIR = Path(__file__).parent
+REPLAY_DELAY_S = 1.0
+"""After the step's state commit: rollout of 3 x 2 tokens takes well under a second here, the
+exact backward (replay + sweep) several seconds, so the kill lands in the backward."""
+
+
+def _train_command(config_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path), *extra]
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_LOCAL_STORAGE_PATH=str(home / "results"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        # The tiny config's reward lives in tests/flows/flow_helpers.py.
+        PYTHONPATH=os.pathsep.join([str(FLOWS_DIR), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="2",
+    )
+    return env
+
+
+def test_sigkill_during_backward_then_resume_reuses_shards_and_matches_uninterrupted(
+    tmp_path, runs_root, in_process_digest
+):
+    config = tiny_run_config(runs_root, RUN_ID, num_steps=2)
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, RUN_ID, num_steps=2)
+    run_dir = runs_root / "runs" / RUN_ID
+    env = _env(tmp_path / "prefect")
+
+    process = subprocess.Popen(
+        _train_command(config_path),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the ephemeral Prefect server dies with it, as on a lost node
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(run_dir.glob("policy-v1/prompts/*/COMMITTED.json")):
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "step 1's prompt state was never committed"
+            time.sleep(0.02)
+        time.sleep(REPLAY_DELAY_S)
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (run_dir / "checkpoints" / "v000002").exists(), (
+        "the kill came after step 1's checkpoint: lower REPLAY_DELAY_S"
+    )
+    assert (run_dir / "checkpoints" / "v000001").is_dir()
+
+    resumed = subprocess.run(
+        _train_command(config_path, "--resume"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["step"] == 1 and last["policy_version"] == 1
+    # Step 1's prompt state was committed before the kill: read back, nothing recomputed.
+    assert (last["shards_computed"], last["shards_reused"]) == (0, NUM_SHARDS)
+    assert final_weights_digest(config) == in_process_digest
