@@ -45,9 +45,13 @@ class ChunkPayload:
         return h.hexdigest()
 
 
-def _write_object(fs: fsspec.AbstractFileSystem, path: str, payload: ChunkPayload) -> str:
-    """Write one chunk object and return the sha256 of its bytes, hashing each piece right
-    after writing it (still in cache); chunks run in parallel, so hashing overlaps I/O."""
+def _write_object(
+    fs: fsspec.AbstractFileSystem, path: str, payload: ChunkPayload
+) -> tuple[str, int | None]:
+    """Write one chunk object; return the sha256 of its bytes and the stored object's size
+    (looked up after the write, here in the worker so the lookups run in parallel). Each piece
+    is hashed right after it is written (still in cache); chunks run in parallel, so hashing
+    overlaps I/O."""
     h = hashlib.sha256()
     if is_local(fs):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -59,7 +63,7 @@ def _write_object(fs: fsspec.AbstractFileSystem, path: str, payload: ChunkPayloa
         data = b"".join(payload.pieces)  # one PUT per chunk: S3 objects are written whole
         h.update(data)
         fs.pipe_file(path, data)
-    return h.hexdigest()
+    return h.hexdigest(), object_sizes(fs, [path])[0]
 
 
 def write_chunks(
@@ -74,10 +78,9 @@ def write_chunks(
     writes = [
         pool.submit(_write_object, fs, path, p) for path, p in zip(paths, payloads, strict=True)
     ]
-    hashes = [w.result() for w in writes]
-    sizes = object_sizes(fs, paths)
     digests = []
-    for p, h, size in zip(payloads, hashes, sizes, strict=True):
+    for p, w in zip(payloads, writes, strict=True):
+        h, size = w.result()
         if size != p.nbytes:
             raise ChunkChecksumError(
                 p.array, p.index, zarr_path, f"written object has {size} bytes, expected {p.nbytes}"
@@ -96,9 +99,9 @@ def object_sizes(fs: fsspec.AbstractFileSystem, paths: list[str]) -> list[int | 
             except FileNotFoundError:
                 out.append(None)
         return out
-    fs.invalidate_cache()
     out = []
     for p in paths:
+        fs.invalidate_cache(p)
         try:
             out.append(int(fs.info(p)["size"]))
         except FileNotFoundError:
