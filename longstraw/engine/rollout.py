@@ -48,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}")
 
 
 @dataclass
@@ -84,6 +86,12 @@ def _filter_logits(logits_GV: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = torch.zeros_like(outside).scatter(-1, order, outside)
         logits_GV = logits_GV.masked_fill(drop, float("-inf"))
     return logits_GV
+
+
+def decode_response(tokenizer, token_ids: Sequence[int]) -> str:
+    """The completion text rewards and stop strings see: special tokens (the kept stop token,
+    `<|endoftext|>`) are not text, as TRL decodes completions with skip_special_tokens=True."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -131,7 +139,7 @@ def sample_responses(
             if bool(is_stop[row]):
                 finish[row] = "stop"
             elif params.stop_strings:
-                text = tokenizer.decode(sampled[row])
+                text = decode_response(tokenizer, sampled[row])
                 if any(stop in text for stop in params.stop_strings):
                     finish[row] = "stop"
         if all(reason is not None for reason in finish):
@@ -139,7 +147,7 @@ def sample_responses(
         tokens_G1 = choice
     responses = []
     for row in range(rows):
-        text = tokenizer.decode(sampled[row]) if tokenizer is not None else None
+        text = decode_response(tokenizer, sampled[row]) if tokenizer is not None else None
         responses.append(Response(sampled[row], logprobs[row], finish[row] or "length", text))
     return responses
 
