@@ -60,11 +60,14 @@ def test_off_policy_clipped_kl_masked_accumulation_matches_one_batched_backward(
     """Old and reference log-probs away from the current ones (ratios clipped on both sides,
     KL term on), and loss masks with holes (tool output inside a response)."""
     model = tiny_model(family)
-    cfg = GRPOConfig(loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28)
+    # temperature != 1: log-probs from logits / temperature on both sides, as TRL does.
+    cfg = GRPOConfig(
+        loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28, temperature=0.7
+    )
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        current = [full_sequence_logprobs(model, prompt, r) for r in responses]
+        current = [full_sequence_logprobs(model, prompt, r, temperature=0.7) for r in responses]
     olds = [c + 0.4 * torch.randn(c.shape, generator=gen) for c in current]
     refs = [c + 0.3 * torch.randn(c.shape, generator=gen) for c in current]
     masks = [(torch.rand(c.shape, generator=gen) > 0.3).float() for c in current]
@@ -121,3 +124,33 @@ def test_contribution_goes_to_the_grad_buffer_and_leaves_param_grads_alone(tiny_
     accumulate_group_gradients(model, prompt, responses, advantages, cfg, shard_tokens=40)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, 1.0 + contribution[name]), f"{name}: not added exactly once"
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "normaliser"),
+    [("dapo", "num_items_in_batch"), ("grpo", "num_sequences_in_batch")],
+)
+def test_batch_normaliser_is_applied_once(tiny_model, loss_type, normaliser):
+    """A group that is a quarter of the step's tokens (dapo) or sequences (grpo) contributes a
+    quarter of its stand-alone gradient: the normaliser is the batch's, applied exactly once."""
+    model = tiny_model("llama")
+    cfg = GRPOConfig(loss_type=loss_type)
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    alone = accumulate_group_gradients(
+        model, prompt, responses, advantages, cfg, shard_tokens=SHARD_TOKENS
+    )
+    grads_alone = take_grads(model)
+    count = sum(RESPONSE_LENS) if normaliser == "num_items_in_batch" else len(RESPONSE_LENS)
+    part = accumulate_group_gradients(
+        model,
+        prompt,
+        responses,
+        advantages,
+        cfg,
+        shard_tokens=SHARD_TOKENS,
+        **{normaliser: 4 * count},
+    )
+    assert part.loss == pytest.approx(alone.loss / 4, rel=1e-6)
+    # A factor of 4 is exact in binary floating point: the gradients agree bitwise.
+    for name, grad in take_grads(model).items():
+        assert torch.equal(4 * grad, grads_alone[name]), name
