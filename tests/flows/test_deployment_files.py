@@ -65,6 +65,12 @@ def test_gpu_count_maps_to_the_nvidia_gpu_limit_with_node_selector_and_toleratio
     assert container["image"] == "registry.example.com/longstraw:0.1"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # Checkpoints are written to a local directory: the run's storage root is a mounted volume.
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] == "data"
+    ]
+    assert claims == ["longstraw-data"]
 
     defaults = _render({})["job_manifest"]["spec"]["template"]["spec"]
     assert defaults["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
