@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from longstraw.models.glm import is_glm, mla_attention_installed
+from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.decode_attention import decode_attention
 from longstraw.ops.prefix_attention import prefix_cached_attention
 
@@ -76,7 +77,7 @@ def prefix_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     # GLM-5's attention modules are replaced whole (latent state, DSA selection): models/glm.py.
     family = mla_attention_installed(model) if is_glm(model) else contextlib.nullcontext()
     try:
-        with family:
+        with family, stable_routing_installed(model):
             yield
     finally:
         config._attn_implementation = previous
