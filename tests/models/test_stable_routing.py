@@ -32,3 +32,19 @@ def test_router_forward_is_restored_and_unchanged_without_ties(load_tiny):
     assert "forward" not in vars(router)
     for a, b in zip(stock, patched, strict=True):
         assert torch.equal(a, b)
+
+
+def test_glm_router_picks_the_same_experts_without_ties(load_tiny):
+    model = load_tiny("glm_moe_dsa")
+    router = next(m for m in model.modules() if type(m).__name__ == "GlmMoeDsaTopkRouter")
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(42))
+    _, stock_weights, stock_indices = router(x)
+    with stable_routing_installed(model):
+        _, weights, indices = router(x)
+    # torch.topk(sorted=False) may list the experts in another order: compare as sets of pairs.
+    for row in range(x.shape[0]):
+        stock = dict(zip(stock_indices[row].tolist(), stock_weights[row].tolist(), strict=True))
+        ours = dict(zip(indices[row].tolist(), weights[row].tolist(), strict=True))
+        assert stock.keys() == ours.keys()
+        for expert, weight in ours.items():
+            assert abs(weight - stock[expert]) <= 1e-6
