@@ -40,8 +40,10 @@ class GradBuffer:
     """fp32 gradient accumulators for a model's trainable parameters, by parameter name."""
 
     def __init__(self, model: PreTrainedModel):
+        # zeros_like keeps a sharded parameter's layout (an FSDP2 DTensor gets a DTensor buffer
+        # holding only its local shard), so draining sharded gradients adds shard to shard.
         self.grads: dict[str, torch.Tensor] = {
-            name: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            name: torch.zeros_like(p, dtype=torch.float32).detach()
             for name, p in model.named_parameters()
             if p.requires_grad
         }
