@@ -1,0 +1,70 @@
+"""Run configs shared by the training tests: the tiny Qwen3.5 checkpoint on the synthetic task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longstraw.schemas.results import StepMetrics
+from longstraw.schemas.run import RunConfig
+
+# Fields of StepMetrics that depend on the machine, not on the algorithm.
+MACHINE_FIELDS = {"seconds", "peak_rss_bytes"}
+
+
+def run_config(
+    root: Path,
+    checkpoint: Path,
+    *,
+    run_id: str = "test",
+    num_steps: int = 3,
+    grpo: dict | None = None,
+    task: dict | None = None,
+    data: dict | None = None,
+    train: dict | None = None,
+    engine: dict | None = None,
+    persist_mode: str = "off",
+) -> RunConfig:
+    """A small exact-mode run: 63 state tokens in 3 shards of 23 (the last one short)."""
+    return RunConfig.model_validate(
+        {
+            "run_id": run_id,
+            "model": {"checkpoint": str(checkpoint)},
+            "engine": {"shard_tokens": 23, "prompt_grad": "exact", **(engine or {})},
+            "grpo": {
+                "num_generations": 4,
+                "max_completion_length": 2,
+                "learning_rate": 1e-2,
+                "loss_type": "grpo",
+                **(grpo or {}),
+            },
+            "data": {
+                "type": "haystack",
+                "rewards": ["haystack_shaped"],
+                "num_prompts": 8,
+                "task": {
+                    "num_prompt_tokens": 64,
+                    "key_length": 2,
+                    "value_length": 1,
+                    "value_alphabet": "0123456789",
+                    "num_distinct_distractors": 8,
+                    "distractor_fraction": 1.0,
+                    "include_header": False,
+                    **(task or {}),
+                },
+                **(data or {}),
+            },
+            "train": {
+                "num_steps": num_steps,
+                "groups_per_step": 2,
+                "checkpoint_every": 1,
+                "seed": 42,
+                **(train or {}),
+            },
+            "storage": {"root_uri": str(root), "persist_mode": persist_mode},
+        }
+    )
+
+
+def algorithm_fields(metrics: StepMetrics) -> dict:
+    """A step's metrics without wall-clock and memory numbers."""
+    return metrics.model_dump(exclude=MACHINE_FIELDS)
