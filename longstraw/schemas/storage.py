@@ -39,6 +39,10 @@ class StorageConfig(_Frozen):
 
     root_uri: str = Field(default="./.longstraw", validate_default=True)
     """Root of the key space: a local path (resolved to an absolute file:// URI) or s3://bucket/prefix."""
+    local_dir: str = "./.longstraw"
+    """Local directory for checkpoints, metrics and built demo models when `root_uri` is not a
+    local path (prompt states go to `root_uri`, e.g. s3://; checkpoints stay on a local or
+    mounted volume). Ignored for a local `root_uri`, which holds everything."""
     persist_mode: PersistMode = "background"
     """off: keep the state in process memory only; background: a writer thread overlaps compute;
     synchronous: write_shard returns once the shard is durable."""

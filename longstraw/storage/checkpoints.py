@@ -7,8 +7,8 @@ policy version, hashed once here), `optimizer.safetensors`, `rng.safetensors` an
 the rename is the commit, so a crash mid-write leaves no readable half checkpoint, and a retried
 write of the same version keeps the first complete one.
 
-Checkpoints live on the local filesystem (the storage root's file:// part); prompt states may be
-on S3.
+Checkpoints live on the local filesystem (the storage root when it is local, else
+`storage.local_dir`, e.g. a mounted volume); prompt states may be on S3.
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ RNG_FILE = "rng.safetensors"
 
 
 def local_root(storage: StorageConfig) -> Path:
-    """The local directory of a file:// storage root; a clear error for other schemes."""
-    if not storage.root_uri.startswith("file://"):
-        raise ValueError(
-            f"checkpoints are written to a local directory; storage.root_uri is {storage.root_uri}. "
-            "Use a local root for checkpoints (prompt states on s3:// are supported)"
-        )
-    return Path(storage.root_uri[len("file://") :])
+    """The local directory for checkpoints and metrics: the storage root when it is local,
+    `storage.local_dir` when prompt states go to object storage."""
+    if storage.root_uri.startswith("file://"):
+        return Path(storage.root_uri[len("file://") :])
+    return Path(storage.local_dir).expanduser().resolve()
 
 
 def run_dir(storage: StorageConfig, run_id: str) -> Path:
