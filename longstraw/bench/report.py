@@ -124,20 +124,24 @@ def fidelity_table(data: dict) -> str:
 
 
 def render(results: Path) -> str:
+    """Every result file under `results` (sorted by name), as markdown with its command."""
+    tables = {
+        "prefill": prefill_table,
+        "group": group_table,
+        "context": context_table,
+        "fidelity": fidelity_table,
+    }
     parts = []
-    for suite, table in (
-        ("prefill", prefill_table),
-        ("group", group_table),
-        ("context", context_table),
-        ("fidelity", fidelity_table),
-    ):
-        path = results / f"{suite}.json"
-        if path.exists():
-            data = json.loads(path.read_text())
-            m = data["machine"]
-            parts.append(
-                f"### {suite}\n\n`{m['command']}` — {m['date']}, {m['cpus']} CPUs, "
-                f"{m['memory_gib']} GiB, torch {m['torch']}, load average at start "
-                f"{m['load_average_at_start'][0]:.1f}\n\n{table(data)}\n"
-            )
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        table = tables.get(data.get("suite"))
+        if table is None:
+            continue
+        m = data["machine"]
+        command = m["command"].replace("/work/main/longstraw/bench/__main__.py", "longstraw bench")
+        parts.append(
+            f"### {path.name}\n\n`{command}` — {m['date']}, {m['cpus']} CPUs, "
+            f"{m['memory_gib']} GiB, torch {m['torch']}, load average at start "
+            f"{m['load_average_at_start'][0]:.1f}\n\n{table(data)}\n"
+        )
     return "\n".join(parts)
