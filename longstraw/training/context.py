@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.state import PrefixState
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.models.factory import init_model
@@ -46,6 +47,10 @@ class RunContext:
     """Optimizer updates applied so far."""
     reference_model: PreTrainedModel | None = None
     reference_digest: str | None = None
+    reference_states: dict[str, PrefixState] = field(default_factory=dict)
+    """Reference prompt states by prompt digest, kept in memory when storage.persist_mode is off
+    (otherwise storage holds them): the reference never changes, so each prompt is prefilled once
+    per run. Memory: one state per distinct prompt."""
     history: list[StepMetrics] = field(default_factory=list)
 
     @property

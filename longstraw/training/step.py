@@ -116,6 +116,28 @@ def group_responses(
     return responses, weights
 
 
+def reference_state(ctx: RunContext, example: PromptExample) -> PrefixState:
+    """The reference model's state of `example`: prefilled once per prompt and run.
+
+    Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
+    state reads back free in-process); with persist_mode off, the run context keeps it.
+    """
+    keep = ctx.config.storage.persist_mode == "off"
+    if keep and example.digest in ctx.reference_states:
+        return ctx.reference_states[example.digest]
+    key = StateKey.reference(ctx.reference_digest, example.digest)
+    state, _ = persisted_prefill(
+        ctx.reference_model,
+        example.prompt_ids,
+        shard_tokens=ctx.config.engine.shard_tokens,
+        storage=ctx.config.storage,
+        key=key,
+    )
+    if keep:
+        ctx.reference_states[example.digest] = state
+    return state
+
+
 def reference_logprobs(ctx: RunContext, rollout: GroupRollout) -> list[torch.Tensor] | None:
     """Reference-model log-probs of the group's responses (beta > 0), from its own prompt state.
 
@@ -124,14 +146,7 @@ def reference_logprobs(ctx: RunContext, rollout: GroupRollout) -> list[torch.Ten
     """
     if ctx.reference_model is None:
         return None
-    key = StateKey.reference(ctx.reference_digest, rollout.example.digest)
-    state, _ = persisted_prefill(
-        ctx.reference_model,
-        rollout.example.prompt_ids,
-        shard_tokens=ctx.config.engine.shard_tokens,
-        storage=ctx.config.storage,
-        key=key,
-    )
+    state = reference_state(ctx, rollout.example)
     return score_responses(
         ctx.reference_model,
         state,
