@@ -23,9 +23,11 @@ def test_mean_reward_rises_over_training(tmp_path, checkpoint_dir):
     alphabet ~5% of the time and the shaped reward is not all zeros), 8 distractor records.
 
     Measured (2-core machine, train seed 42 — the one this test runs):
-        per step 0.052 0.057 0.130 0.424 0.500 0.500 0.500 0.500: first 3 = 0.080, last 3 = 0.500.
-    Other train seeds, same config (not run here), first 3 -> last 3:
-        seed 0: 0.038 -> 0.568; seed 1: 0.045 -> 0.500; seed 2: 0.016 -> 0.442; seed 3: 0.069 -> 0.296.
+        per step 0.052 0.057 0.130 0.424 0.500 0.500 0.500 0.500: first 3 = 0.080, last 3 = 0.500
+        (the same numbers with 2 shards of 40 and 1 thread).
+    Other train seeds (not run here), first 3 -> last 3: seed 0: 0.038 -> 0.570 (this config);
+    with 2 shards of 40: seed 1: 0.045 -> 0.500; seed 2: 0.016 -> 0.442; seed 3: 0.069 -> 0.296.
+    Cost: ~67 s of CPU (user time) for the 8 steps.
     0.5 is the shaped reward of any one-digit answer; above it the model names the right value.
     The lead's first measurement (ABCD values, lr 1e-2, 3-token responses) stayed at ~0.00 for
     six steps: with 4 letters out of 512 tokens almost every group had all-zero rewards, hence
