@@ -44,10 +44,10 @@ class ModelConfig(_Section):
 class EngineConfig(_Section):
     """How the prompt is prefilled and how its gradient is taken."""
 
-    shard_tokens: int = Field(default=32, ge=1)
+    shard_tokens: int = Field(default=23, ge=1)
     """Prompt tokens per prefill shard: activation memory is bounded by one shard, and the exact
-    sweep recomputes one shard at a time. The default suits the demo's 96-token prompts (three
-    shards); use 2048–8192 for real prompts."""
+    sweep recomputes one shard at a time. The default splits the demo's 64-token prompts into
+    three shards (23/23/17); use 2048–8192 for real prompts."""
     prompt_grad: Literal["exact", "detached"] = "exact"
     """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
     forward+backward); detached: treat the prompt state as a constant (the original system's
@@ -59,7 +59,11 @@ class HaystackDataConfig(_Section):
 
     type: Literal["haystack"] = "haystack"
     """Discriminator of the `data` section."""
-    task: HaystackTaskConfig = Field(default_factory=lambda: HaystackTaskConfig.tiny())
+    task: HaystackTaskConfig = Field(
+        default_factory=lambda: HaystackTaskConfig.tiny(
+            num_prompt_tokens=64, value_alphabet="0123456789"
+        )
+    )
     """The task template; each prompt uses `task.seed + prompt index` as its seed."""
     num_prompts: int = Field(default=64, ge=1)
     """Distinct prompts the generator cycles through."""
@@ -120,7 +124,7 @@ class RunConfig(_Section):
         # The demo's settings: a tiny random model learns to answer in the value alphabet within
         # a few steps at this learning rate (TRL's default 1e-6 suits pretrained models).
         default_factory=lambda: GRPOConfig(
-            num_generations=8, max_completion_length=3, learning_rate=1e-2, loss_type="grpo"
+            num_generations=8, max_completion_length=2, learning_rate=5e-2, loss_type="grpo"
         )
     )
     """GRPO algorithm and optimizer knobs, with TRL's `GRPOConfig` names."""
