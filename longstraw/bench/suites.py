@@ -64,6 +64,7 @@ def prefill_suite(
     mem_cap_bytes: int,
     progress: Progress = print,
 ) -> dict:
+    info = machine()
     runs = {}
     for method in ("prefill", "hf-forward"):
         spec = BenchSpec(
@@ -90,7 +91,7 @@ def prefill_suite(
         )
     return {
         "suite": "prefill",
-        "machine": machine(),
+        "machine": info,
         "runs": list(runs.values()),
         "summary": summary,
     }
@@ -107,6 +108,7 @@ def group_suite(
     mem_cap_bytes: int,
     progress: Progress = print,
 ) -> dict:
+    info = machine()
     runs: list[dict] = []
     summary: dict = {"prompt_tokens": prompt_tokens, "methods": {}}
     for method in methods:
@@ -143,7 +145,7 @@ def group_suite(
             if 2 in ok and 8 in ok:
                 row["growth_g2_to_g8_bytes"] = ok[8]["peak_rss_bytes"] - ok[2]["peak_rss_bytes"]
         summary["methods"][method] = row
-    return {"suite": "group", "machine": machine(), "runs": runs, "summary": summary}
+    return {"suite": "group", "machine": info, "runs": runs, "summary": summary}
 
 
 def context_suite(
@@ -157,6 +159,7 @@ def context_suite(
     mem_cap_bytes: int,
     progress: Progress = print,
 ) -> dict:
+    info = machine()
     runs: list[dict] = []
     by_method: dict[str, dict[int, dict]] = {}
     for method in methods:
@@ -238,7 +241,7 @@ def context_suite(
             "stopped_by": first_fail[0]["status"] if first_fail else "none (all lengths ran)",
             "stop_reason": first_fail[0].get("reason") if first_fail else None,
         }
-    return {"suite": "context", "machine": machine(), "runs": runs, "summary": summary}
+    return {"suite": "context", "machine": info, "runs": runs, "summary": summary}
 
 
 def fidelity_suite(
@@ -251,6 +254,7 @@ def fidelity_suite(
     mem_cap_bytes: int,
     progress: Progress = print,
 ) -> dict:
+    info = machine()
     spec = BenchSpec(
         method="fidelity",
         checkpoint=checkpoint,
@@ -261,4 +265,4 @@ def fidelity_suite(
     record = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
     progress(record)
     summary = record["result"]["methods"] if _ok(record) else {}
-    return {"suite": "fidelity", "machine": machine(), "runs": [record], "summary": summary}
+    return {"suite": "fidelity", "machine": info, "runs": [record], "summary": summary}
