@@ -164,8 +164,28 @@ def _rebinding_update_recurrent_state(self, recurrent_states, state_idx: int = 0
     return recurrent_states
 
 
+def stock_prefilled_cache(model, prompt: torch.Tensor) -> DynamicCache:
+    """A fresh transformers `DynamicCache` holding `prompt[:-1]`, prefilled under no_grad, with
+    its linear-attention layers made autograd-safe (see `stock_cached_branch_logprobs`)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[:-1].unsqueeze(0), cache=cache, use_cache=True)
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.activate_past_recording()
+            layer.update_recurrent_state = types.MethodType(
+                _rebinding_update_recurrent_state, layer
+            )
+    return cache
+
+
 def stock_cached_branch_logprobs(
-    model, prompt: torch.Tensor, response: torch.Tensor, *, temperature: float = 1.0
+    model,
+    prompt: torch.Tensor,
+    response: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    cache: DynamicCache | None = None,
 ) -> torch.Tensor:
     """[R] log-probs via transformers' own cached path, with autograd on the branch only.
 
@@ -181,18 +201,12 @@ def stock_cached_branch_logprobs(
       which the depthwise causal conv reads only the last kernel-1 columns before each token.
     - `update_recurrent_state` rebinds instead of `copy_` (see `_rebinding_update_recurrent_state`).
 
+    `cache`: one from `stock_prefilled_cache(model, prompt)`, used once (the branch extends it).
     Full-attention layers are stock `DynamicLayer`s: they `torch.cat` the prefix and branch K/V
     (the P-sized copy LongStraw avoids), which is what makes this an independent reference.
     """
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=prompt[:-1].unsqueeze(0), cache=cache, use_cache=True)
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            layer.activate_past_recording()
-            layer.update_recurrent_state = types.MethodType(
-                _rebinding_update_recurrent_state, layer
-            )
+    if cache is None:
+        cache = stock_prefilled_cache(model, prompt)
     branch_ids = torch.cat([prompt[-1:], response[:-1]]).unsqueeze(0)
     logits = model(input_ids=branch_ids, cache=cache, use_cache=True).logits[0]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)

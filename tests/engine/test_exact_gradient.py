@@ -59,9 +59,7 @@ def test_one_shard_and_many_shards_give_the_same_exact_gradient(tiny_model, fami
     assert_grads_close(many, one, what=f"{family} 7 shards vs 1")
 
 
-@pytest.mark.parametrize(
-    ("family", "shard_tokens"), [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_next", 3)]
-)
+@pytest.mark.parametrize(("family", "shard_tokens"), [("qwen3_5", 1), ("qwen3_next", 2)])
 def test_exact_gradient_with_tiny_shards_matches_full_sequence(tiny_model, family, shard_tokens):
     """Shards shorter than the conv tail (kernel - 1 = 3): each shard's start conv state holds
     inputs of several earlier shards, and the sweep must route their cotangent back through all."""

@@ -105,7 +105,7 @@ def test_off_policy_clipped_kl_masked_accumulation_matches_one_batched_backward(
 def test_contribution_goes_to_the_grad_buffer_and_leaves_param_grads_alone(tiny_model):
     """A caller's buffer gets exactly the contribution; gradients already in .grad are kept and,
     without a buffer, the contribution is added to them once."""
-    model = tiny_model("qwen3_5")
+    model = tiny_model("llama")
     cfg = GRPOConfig(loss_type="dapo")
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
     accumulate_group_gradients(model, prompt, responses, advantages, cfg, shard_tokens=40)

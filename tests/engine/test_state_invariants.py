@@ -13,8 +13,10 @@ from engine_helpers import (
     ENGINE_FAMILIES,
     random_group,
     stock_cached_branch_logprobs,
+    stock_prefilled_cache,
     vocab_of,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
@@ -108,15 +110,55 @@ def test_replay_saves_nothing_that_grows_with_the_prompt(tiny_model, family):
         assert saved[prompt_grad, 2000][1] < biggest_state, (saved, biggest_state)
 
 
-def test_saved_tensor_probe_detects_the_prefix_copy_of_a_stock_cache(tiny_model):
-    """Control for the test above: transformers' DynamicCache concatenates prefix and branch K/V,
-    and the probe sees the saved total grow with P."""
+class _LargestFreshOutput(TorchDispatchMode):
+    """Largest numel among op outputs that are new memory (not a view of / write into the state
+    or the cotangent): a prefix copy or concatenation would show up here."""
+
+    def __init__(self, owned: list[torch.Tensor]):
+        super().__init__()
+        self.owned = {t.untyped_storage().data_ptr() for t in owned}
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.owned:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_replay_allocates_nothing_that_grows_with_the_prompt(tiny_model, family):
+    """Forward + backward of one exact-mode branch at P = 1500 and 3000: the largest new tensor
+    is the same (prefix attention works in chunks of 1024 keys), so nothing P-sized is copied."""
+    model = tiny_model(family)
+    _, responses, _ = random_group(1, (11,), vocab_of(model))
+    largest = {}
+    for prompt_len in (1500, 3000):
+        prompt, _, _ = random_group(prompt_len, (1,), vocab_of(model))
+        state = prefill(model, prompt, shard_tokens=1024)
+        cotangent = PromptCotangent.zeros_like_state(state)
+        owned = [*state.tensors().values()]
+        owned += [t for t in vars(cotangent).values() if t is not None]
+        with _LargestFreshOutput(owned) as probe:
+            logp = branch_logprobs(model, state, responses[0], cotangent=cotangent)
+            logp.sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        largest[prompt_len] = probe.largest
+    assert largest[1500] == largest[3000], f"largest new tensor grows with P: {largest}"
+
+
+def test_probes_detect_the_prefix_copy_of_a_stock_cache(tiny_model):
+    """Control for the two tests above: transformers' DynamicCache concatenates prefix and branch
+    K/V, and both probes see it grow with P."""
     model = tiny_model("llama")
     _, responses, _ = random_group(1, (11,), vocab_of(model))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    totals = {}
-    for prompt_len in (200, 2000):
+    saved, largest = {}, {}
+    for prompt_len in (1500, 3000):
         prompt, _, _ = random_group(prompt_len, (1,), vocab_of(model))
+        cache = stock_prefilled_cache(model, prompt)  # outside the probes: only the branch counts
         sizes: list[int] = []
 
         def pack(tensor: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
@@ -124,10 +166,17 @@ def test_saved_tensor_probe_detects_the_prefix_copy_of_a_stock_cache(tiny_model)
                 sizes.append(tensor.numel())
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            stock_cached_branch_logprobs(model, prompt, responses[0])
-        totals[prompt_len] = sum(sizes)
-    assert totals[2000] > totals[200] + 1800 * 4 * 16, totals
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            _LargestFreshOutput([]) as probe,
+        ):
+            logp = stock_cached_branch_logprobs(model, prompt, responses[0], cache=cache)
+            logp.sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        saved[prompt_len], largest[prompt_len] = sum(sizes), probe.largest
+    assert saved[3000] > saved[1500] + 1500 * 4 * 16, saved
+    assert largest[3000] > largest[1500], largest
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
