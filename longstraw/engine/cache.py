@@ -81,18 +81,42 @@ class ForkedLinearAttentionLayer:
         self.on_conv = on_conv
         self.on_recurrent = on_recurrent
 
-    def update_conv_state(self, x_BCS: torch.Tensor) -> torch.Tensor:
-        """Return [tail ; x] so the model's causal conv sees its left context; rebind the tail."""
+    def _with_tail(self, x_BCS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([tail ; x], the new tail: the last W inputs of that)."""
         tail = self.conv_tail_BCW.to(x_BCS.dtype).expand(x_BCS.shape[0], -1, -1)
         full_BCX = torch.cat([tail, x_BCS], dim=-1)
         width = self.conv_tail_BCW.shape[-1]
-        self.conv_tail_BCW = full_BCX[..., full_BCX.shape[-1] - width :]
+        return full_BCX, full_BCX[..., full_BCX.shape[-1] - width :]
+
+    def update_conv_state(self, x_BCS: torch.Tensor) -> torch.Tensor:
+        """Return [tail ; x] so the model's causal conv sees its left context; rebind the tail."""
+        full_BCX, self.conv_tail_BCW = self._with_tail(x_BCS)
         if self.on_conv is not None:
             self.on_conv(self.conv_tail_BCW)
         return full_BCX
 
     def update_recurrent_state(self, recurrent_BHKV: torch.Tensor) -> torch.Tensor:
         self.recurrent_BHKV = recurrent_BHKV
+        if self.on_recurrent is not None:
+            self.on_recurrent(recurrent_BHKV)
+        return recurrent_BHKV
+
+
+class ShardStartLinearAttentionLayer(ForkedLinearAttentionLayer):
+    """A Gated DeltaNet layer that starts every forward from the same (shard-start) state.
+
+    The exact sweep recomputes each decoder layer during backward (activation checkpointing);
+    the recomputation must see the inputs the first forward saw, so this layer reports the end
+    state through its callbacks but never rebinds its own.
+    """
+
+    def update_conv_state(self, x_BCS: torch.Tensor) -> torch.Tensor:
+        full_BCX, tail_BCW = self._with_tail(x_BCS)
+        if self.on_conv is not None:
+            self.on_conv(tail_BCW)
+        return full_BCX
+
+    def update_recurrent_state(self, recurrent_BHKV: torch.Tensor) -> torch.Tensor:
         if self.on_recurrent is not None:
             self.on_recurrent(recurrent_BHKV)
         return recurrent_BHKV

@@ -16,21 +16,24 @@ graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.cache import (
-    ForkedLinearAttentionLayer,
     PrefixAttentionLayer,
     PrefixMlaLayer,
+    ShardStartLinearAttentionLayer,
     StateCache,
 )
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
+from longstraw.models.adapters import decoder_of
 
 
 class StateMismatchError(RuntimeError):
@@ -45,6 +48,37 @@ def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, sh
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
             "computed with other weights, dtype or kernels: recompute the prefill"
         )
+
+
+@contextlib.contextmanager
+def layerwise_recompute(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block, each decoder layer keeps only its input for backward and recomputes
+    its activations then (non-reentrant activation checkpointing), so a shard's graph holds
+    [shard, hidden] per layer plus one layer's activations at a time, not every layer's.
+
+    transformers' own gradient checkpointing cannot be used: in training mode it drops the cache
+    inside each layer (NOTES.md). The cache layers of the sweep are recompute-safe: they start
+    every forward from the shard-start state and record only the first forward's outputs.
+    """
+    layers = list(decoder_of(model).layers)
+    for layer in layers:
+        forward = layer.forward
+
+        def run(*args, _forward=forward, **kwargs):
+            # The recomputation runs during backward, outside the caller's `with` blocks: it
+            # must select LongStraw's attention (and routing) again to repeat the same forward.
+            with prefix_attention_enabled(model):
+                return _forward(*args, **kwargs)
+
+        def checkpointed(*args, _run=run, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_run, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def sweep_prompt_shards(
@@ -68,9 +102,14 @@ def _sweep_shard(
     spec = state.spec
     start, end = state.bounds[shard]
     outputs: list[tuple[str, int, torch.Tensor]] = []
+    seen: set[tuple[str, int]] = set()
 
     def capture(kind: str, slot: int) -> Callable[..., None]:
         def record(*tensors: torch.Tensor) -> None:
+            # Layer recomputation during backward calls the cache again: keep the first forward's.
+            if (kind, slot) in seen:
+                return
+            seen.add((kind, slot))
             kinds = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}.get(
                 kind, (kind,)
             )
@@ -96,7 +135,7 @@ def _sweep_shard(
             conv_leaf = state.conv[slot, shard].detach().requires_grad_(True)
             recurrent_leaf = state.recurrent[slot, shard].detach().requires_grad_(True)
             leaves[slot] = (conv_leaf, recurrent_leaf)
-            layers[layer_idx] = ForkedLinearAttentionLayer(
+            layers[layer_idx] = ShardStartLinearAttentionLayer(
                 conv_leaf.unsqueeze(0),
                 recurrent_leaf.unsqueeze(0),
                 on_conv=capture("conv", slot),
@@ -116,7 +155,7 @@ def _sweep_shard(
                 on_update=capture("mla", slot),
             )
 
-    with torch.enable_grad(), prefix_attention_enabled(model):
+    with torch.enable_grad(), prefix_attention_enabled(model), layerwise_recompute(model):
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
 

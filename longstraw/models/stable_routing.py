@@ -70,10 +70,14 @@ def stable_routing_installed(model: nn.Module) -> Iterator[None]:
     for module in model.modules():
         forward = _ROUTER_FORWARDS.get(type(module).__name__)
         if forward is not None:
+            # Nested use (layer recomputation inside the engine) restores the outer block's.
+            patched.append((module, module.__dict__.get("forward")))
             module.forward = forward.__get__(module)
-            patched.append(module)
     try:
         yield
     finally:
-        for module in patched:
-            del module.forward
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
