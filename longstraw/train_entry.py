@@ -93,7 +93,7 @@ def summary_table(history) -> Table:
             str(m.policy_version),
             f"{m.reward_mean:.3f}",
             f"{m.reward_std:.3f}",
-            f"{m.loss:.4f}",
+            f"{m.loss:+.4f}",
             f"{m.grad_norm:.3f}",
             str(m.prompt_tokens),
             f"{m.shards_computed}/{m.shards_reused}",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longstraw.data.rewards import REWARDS, haystack_exact, haystack_partial
+from longstraw.data.rewards import REWARDS, haystack_exact, haystack_partial, haystack_shaped
 
 SINGLE = {
     "variant": "kv_retrieval",
@@ -93,8 +93,21 @@ def test_rewards_fall_back_to_the_answer_string_of_a_user_record():
         haystack_exact("", "x", {})
 
 
-def test_registry_names_the_two_rewards():
-    assert {"haystack_exact": haystack_exact, "haystack_partial": haystack_partial} == REWARDS
+def test_registry_names_the_three_rewards():
+    assert {
+        "haystack_exact": haystack_exact,
+        "haystack_partial": haystack_partial,
+        "haystack_shaped": haystack_shaped,
+    } == REWARDS
+
+
+def test_shaped_reward_gives_full_credit_for_the_answer_and_half_for_the_alphabet():
+    metadata = {"values": ["7"], "answer": "7", "value_alphabet": "0123456789", "value_length": 1}
+    assert haystack_shaped("", " 7", metadata) == 1.0
+    assert haystack_shaped("", " 3", metadata) == 0.5
+    assert haystack_shaped("", " 3x", metadata) == 0.25
+    assert haystack_shaped("", " ab", metadata) == 0.0
+    assert haystack_shaped("", "   ", metadata) == 0.0
 
 
 @settings(max_examples=200, deadline=None)
