@@ -102,10 +102,11 @@ def test_off_policy_clipped_kl_masked_accumulation_matches_one_batched_backward(
     assert_grads_close(take_grads(model), expected, what=f"{family}/{loss_type} off-policy")
 
 
-def test_contribution_goes_to_the_grad_buffer_and_leaves_param_grads_alone(tiny_model):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_contribution_goes_to_the_grad_buffer_and_leaves_param_grads_alone(tiny_model, family):
     """A caller's buffer gets exactly the contribution; gradients already in .grad are kept and,
     without a buffer, the contribution is added to them once."""
-    model = tiny_model("llama")
+    model = tiny_model(family)
     cfg = GRPOConfig(loss_type="dapo")
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
     accumulate_group_gradients(model, prompt, responses, advantages, cfg, shard_tokens=40)
