@@ -5,8 +5,9 @@ no_grad, then `[prompt[-1]] + response[:-1]` with autograd and the same `branch_
 (`engine_helpers.stock_cached_branch_logprobs`; the two changes to the stock linear-attention
 cache layer that autograd needs are documented there).
 
-Measured (fp32, P = 301, G = 3): largest element error 1.2e-7 × max|g| (all families), i.e. the
-gradients agree to fp32 reordering of the prefix attention.
+Measured (fp32, P = 257-301, G = 3): every element within 1e-5 × |ref| + 1e-7 × max|ref| (all
+families, grpo and dapo; largest absolute error 1.5e-7), i.e. fp32 reordering of the prefix
+attention. Cosine of the detached to the exact gradient: 0.68-0.72 (dense), 0.985 (hybrids).
 """
 
 from __future__ import annotations
