@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import resource
-
 import torch
 from prefect import task
 from pydantic import BaseModel, ConfigDict
@@ -15,6 +13,7 @@ from longstraw.schemas.refs import GradRef, PromptRef, RolloutRef, UpdateResult
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.tasks import runtime
+from longstraw.training.step import step_metrics
 
 
 class StepStart(BaseModel):
@@ -93,10 +92,6 @@ def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> Advanta
     )
 
 
-def _std(values: torch.Tensor) -> float:
-    return float(values.std()) if values.numel() > 1 else 0.0
-
-
 @task(name="summarize_step")
 def summarize_step(
     config: RunConfig,
@@ -110,33 +105,17 @@ def summarize_step(
     """The step's audit record (also appended to the run's history for checkpoints and plots)."""
     ctx = runtime.run_context(config)
     stats = [runtime.group_stats.pop(g.uri) for g in grads if g.uri in runtime.group_stats]
-    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
-    advantages = torch.tensor(plan.advantages, dtype=torch.float64)
-    kls = [s.kl for s in stats if s.kl is not None]
-    count = max(len(stats), 1)
-    metrics = StepMetrics(
+    metrics = step_metrics(
         step=ctx.step - 1,
         policy_version=rollouts[0].prompt.policy_version,
-        reward_mean=float(rewards.mean()),
-        reward_std=_std(rewards.flatten()),
-        advantage_mean=float(advantages.mean()),
-        advantage_std=_std(advantages.flatten()),
-        advantage_min=float(advantages.min()),
-        advantage_max=float(advantages.max()),
-        loss=sum(s.loss for s in stats),
-        kl=sum(kls) / len(kls) if kls else None,
-        clip_ratio_low=sum(s.clip_ratio_low for s in stats) / count,
-        clip_ratio_high=sum(s.clip_ratio_high for s in stats) / count,
-        clip_ratio_region=sum(s.clip_ratio_region for s in stats) / count,
-        grad_norm=update.grad_norm,
-        learning_rate=update.learning_rate,
+        rewards=torch.tensor([r.rewards for r in rollouts], dtype=torch.float64),
+        advantages=torch.tensor(plan.advantages, dtype=torch.float64),
+        group_stats=stats,
+        update=update,
         prompt_tokens=sum(r.prompt.num_tokens for r in rollouts),
-        completion_tokens=int(plan.num_items_in_batch),
-        num_groups=len(rollouts),
-        truncated_fraction=sum(t for r in rollouts for t in r.truncated)
-        / plan.num_sequences_in_batch,
+        num_items=plan.num_items_in_batch,
+        truncated=[t for r in rollouts for t in r.truncated],
         seconds=runtime.take_seconds(config.run_id),
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         shards_computed=shards_computed,
         shards_reused=shards_reused,
     )

@@ -21,6 +21,7 @@ from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.optim import UpdateStats
 from longstraw.grpo.rewards import score_group
+from longstraw.schemas.refs import UpdateResult
 from longstraw.schemas.results import GroupStats, StepMetrics
 from longstraw.schemas.storage import StateKey
 from longstraw.training.context import RunContext
@@ -285,10 +286,46 @@ def run_step(ctx: RunContext) -> StepMetrics:
         add("update", time.perf_counter() - started)
 
     ctx.step += 1
-    kls = [s.kl for s in group_stats if s.kl is not None]
-    metrics = StepMetrics(
+    metrics = step_metrics(
         step=ctx.step - 1,
         policy_version=version_at_rollout,
+        rewards=rewards,
+        advantages=advantages,
+        group_stats=group_stats,
+        update=update,
+        prompt_tokens=sum(r.state.prompt_len for r in rollouts),
+        num_items=num_items,
+        truncated=[x.truncated for r in rollouts for x in r.responses],
+        seconds=seconds,
+        shards_computed=sum(r.prefill.shards_computed for r in rollouts),
+        shards_reused=sum(r.prefill.shards_reused for r in rollouts),
+    )
+    ctx.history.append(metrics)
+    return metrics
+
+
+def step_metrics(
+    *,
+    step: int,
+    policy_version: int,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_stats: list[GroupStats],
+    update: UpdateStats | UpdateResult,
+    prompt_tokens: int,
+    num_items: float,
+    truncated: list[bool],
+    seconds: dict[str, float],
+    shards_computed: int,
+    shards_reused: int,
+) -> StepMetrics:
+    """The audit record of one step (`rewards`/`advantages` [groups, G]), for both the in-process
+    loop and the Prefect flow."""
+    kls = [s.kl for s in group_stats if s.kl is not None]
+    count = max(len(group_stats), 1)
+    return StepMetrics(
+        step=step,
+        policy_version=policy_version,
         reward_mean=float(rewards.mean()),
         reward_std=_std(rewards.flatten()),
         advantage_mean=float(advantages.mean()),
@@ -297,19 +334,17 @@ def run_step(ctx: RunContext) -> StepMetrics:
         advantage_max=float(advantages.max()),
         loss=sum(s.loss for s in group_stats),
         kl=sum(kls) / len(kls) if kls else None,
-        clip_ratio_low=sum(s.clip_ratio_low for s in group_stats) / len(group_stats),
-        clip_ratio_high=sum(s.clip_ratio_high for s in group_stats) / len(group_stats),
-        clip_ratio_region=sum(s.clip_ratio_region for s in group_stats) / len(group_stats),
+        clip_ratio_low=sum(s.clip_ratio_low for s in group_stats) / count,
+        clip_ratio_high=sum(s.clip_ratio_high for s in group_stats) / count,
+        clip_ratio_region=sum(s.clip_ratio_region for s in group_stats) / count,
         grad_norm=update.grad_norm,
         learning_rate=update.learning_rate,
-        prompt_tokens=sum(r.state.prompt_len for r in rollouts),
+        prompt_tokens=prompt_tokens,
         completion_tokens=int(num_items),
-        num_groups=len(rollouts),
-        truncated_fraction=sum(x.truncated for r in rollouts for x in r.responses) / num_sequences,
+        num_groups=rewards.shape[0],
+        truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        shards_computed=sum(r.prefill.shards_computed for r in rollouts),
-        shards_reused=sum(r.prefill.shards_reused for r in rollouts),
+        shards_computed=shards_computed,
+        shards_reused=shards_reused,
     )
-    ctx.history.append(metrics)
-    return metrics
