@@ -75,18 +75,19 @@ def resolve_config(
 
 def summary_table(history) -> Table:
     table = Table(title="LongStraw training summary")
+    # Short headers: the table must fit an 80-column terminal (and CI logs) untruncated.
     for column in (
         "step",
-        "version",
+        "ver",
         "reward",
-        "± std",
+        "std",
         "loss",
-        "grad norm",
-        "prompt tok",
-        "shards (new/reused)",
-        "seconds",
+        "|grad|",
+        "P tok",
+        "shards new/old",
+        "s",
     ):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for m in history:
         table.add_row(
             str(m.step),
