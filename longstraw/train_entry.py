@@ -76,6 +76,7 @@ def resolve_config(
 def summary_table(history) -> Table:
     table = Table(title="LongStraw training summary")
     # Short headers: the table must fit an 80-column terminal (and CI logs) untruncated.
+    # "shards" is computed/reused prefill shards.
     for column in (
         "step",
         "ver",
