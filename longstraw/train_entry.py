@@ -85,8 +85,8 @@ def summary_table(history) -> Table:
         "loss",
         "|grad|",
         "P tok",
-        "shards new/old",
-        "s",
+        "shards",
+        "sec",
     ):
         table.add_column(column, justify="right", no_wrap=True)
     for m in history:
