@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect.cache_policies import CacheKeyFnPolicy
-from prefect.locking.filesystem import FileSystemLockManager
+
+from longstraw.tasks.locks import CrashSafeFileLockManager
 
 # Faults worth retrying: storage and network hiccups. A ValueError (bad input) or a
 # StateMismatchError (wrong weights) fails the same way every time and is not retried.
@@ -43,10 +42,9 @@ def prefill_shard_cache_key(context, parameters) -> str:
     )
 
 
-def serializable_cache_policy(lock_dir: Path) -> CacheKeyFnPolicy:
+def serializable_cache_policy() -> CacheKeyFnPolicy:
     """Cache on `prefill_shard_cache_key`; concurrent duplicates wait for the first writer."""
-    lock_dir.mkdir(parents=True, exist_ok=True)
     return CacheKeyFnPolicy(cache_key_fn=prefill_shard_cache_key).configure(
         isolation_level="SERIALIZABLE",
-        lock_manager=FileSystemLockManager(lock_files_directory=lock_dir),
+        lock_manager=CrashSafeFileLockManager(),
     )

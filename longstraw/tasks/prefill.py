@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
-from prefect.settings import PREFECT_HOME
 from pydantic import BaseModel, ConfigDict
 
 from longstraw.schemas.refs import PromptRef, ShardRef
@@ -15,8 +13,6 @@ from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import PrefixStateRef
 from longstraw.tasks import runtime
 from longstraw.tasks.policies import retry_on_transient, serializable_cache_policy
-
-_LOCKS = Path(PREFECT_HOME.value()).expanduser() / "longstraw-locks"
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -29,7 +25,7 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
 
 @task(
     name="prefill_prompt_shard",
-    cache_policy=serializable_cache_policy(_LOCKS),
+    cache_policy=serializable_cache_policy(),
     persist_result=True,
     result_serializer="json",
     retries=2,
