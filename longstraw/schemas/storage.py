@@ -27,7 +27,7 @@ _ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 def _default_s3_endpoint() -> str | None:
