@@ -135,7 +135,8 @@ def run_training(
         transient=False,
     ) as progress:
         steps_bar = progress.add_task("GRPO steps", total=config.train.num_steps)
-        shards_bar = progress.add_task("prefill shards", total=None)
+        # Shard progress comes from the Prefect tasks; the in-process loop reports steps only.
+        shards_bar = progress.add_task("prefill shards", total=None, visible=use_prefect)
 
         def listen(event: str, fields: dict) -> None:
             if event == "prefill_shard":
