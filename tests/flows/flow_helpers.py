@@ -8,6 +8,8 @@ very same optimizer trajectory as an uninterrupted one.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import yaml
@@ -31,7 +33,12 @@ def text_checksum_reward(prompt: str, response: str, metadata: dict) -> float:
 
     A random-weight model almost never earns the haystack reward, so every advantage (and every
     gradient) would be zero and weight digests could not tell runs apart; this one always varies.
+    `LONGSTRAW_TEST_REWARD_DELAY_S` makes each call slow without changing its value: the crash
+    test uses it to hold a step open, after its prompt state is committed, long enough to kill it.
     """
+    delay = float(os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_S", "0"))
+    if delay:
+        time.sleep(delay)
     return (sum(response.encode()) % 11) / 10.0
 
 

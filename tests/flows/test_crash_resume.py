@@ -19,10 +19,11 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 RUN_ID = "crash"
 FLOWS_DIR = Path(__file__).parent
-REPLAY_DELAY_S = 0.2
-"""After the step's state commit: the rest of the step (rollout, exact backward, update,
-checkpoint) takes about a second even on an idle machine, so a kill 0.2 s after the commit lands
-inside the step (the test checks that the step's checkpoint does not exist yet)."""
+KILL_DELAY_S = 0.3
+"""Seconds between step 1's state commit and the kill. The killed run scores rewards slowly
+(`LONGSTRAW_TEST_REWARD_DELAY_S`, 1 s per response, same values), so the step stays open for
+seconds after its commit on any machine: the kill lands inside the step, before its checkpoint,
+without a timing race (a fast machine finished the whole step within 0.2 s otherwise)."""
 
 
 def _train_command(config_path: Path, *extra: str) -> list[str]:
@@ -43,7 +44,7 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def test_sigkill_during_backward_then_resume_reuses_shards_and_matches_uninterrupted(
+def test_sigkill_mid_step_then_resume_reuses_shards_and_matches_uninterrupted(
     tmp_path, runs_root, in_process_digest
 ):
     config = tiny_run_config(runs_root, RUN_ID, num_steps=2)
@@ -54,7 +55,7 @@ def test_sigkill_during_backward_then_resume_reuses_shards_and_matches_uninterru
     process = subprocess.Popen(
         _train_command(config_path),
         cwd=tmp_path,
-        env=env,
+        env={**env, "LONGSTRAW_TEST_REWARD_DELAY_S": "1.0"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # the ephemeral Prefect server dies with it, as on a lost node
@@ -65,7 +66,7 @@ def test_sigkill_during_backward_then_resume_reuses_shards_and_matches_uninterru
             assert process.poll() is None, process.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "step 1's prompt state was never committed"
             time.sleep(0.02)
-        time.sleep(REPLAY_DELAY_S)
+        time.sleep(KILL_DELAY_S)
         os.killpg(process.pid, signal.SIGKILL)
     finally:
         if process.poll() is None:
@@ -73,7 +74,7 @@ def test_sigkill_during_backward_then_resume_reuses_shards_and_matches_uninterru
         process.wait()
     assert process.returncode == -signal.SIGKILL
     assert not (run_dir / "checkpoints" / "v000002").exists(), (
-        "the kill came after step 1's checkpoint: lower REPLAY_DELAY_S"
+        "the kill came after step 1's checkpoint: raise LONGSTRAW_TEST_REWARD_DELAY_S"
     )
     assert (run_dir / "checkpoints" / "v000001").is_dir()
 
