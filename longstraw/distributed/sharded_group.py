@@ -29,27 +29,9 @@ from longstraw.distributed.sharded_replay import (
     zeros_cotangent,
 )
 from longstraw.distributed.sharded_state import ShardedPrefixState
-from longstraw.engine.group import GradBuffer
+from longstraw.engine.group import GradBuffer, deterministic_algorithms, drain_grads_into
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
-
-
-def _drain(params, buffer: GradBuffer) -> None:
-    for name, p in params:
-        if p.grad is not None:
-            buffer.grads[name] += p.grad.float()
-            p.grad = None
-
-
-@contextlib.contextmanager
-def _deterministic(on: bool):
-    previous = torch.are_deterministic_algorithms_enabled()
-    if on:
-        torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def reduce_gradients(
@@ -122,7 +104,7 @@ def sharded_group_gradients(
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     logps = []
     try:
-        with _deterministic(prompt_grad == "exact"):
+        with deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext():
             for i, response in enumerate(responses):
                 logp, branch = sharded_branch_logprobs(
                     model,
@@ -139,7 +121,7 @@ def sharded_group_gradients(
                 loss.backward()
                 if cotangent is not None:
                     branch.add_leaf_grads_into(cotangent)
-                _drain(params, branch_grads)
+                drain_grads_into(params, branch_grads)
                 logps.append(logp.detach())
                 del logp, loss, branch
             if cotangent is not None:
@@ -148,7 +130,7 @@ def sharded_group_gradients(
                     state,
                     cotangent,
                     group=group,
-                    after_shard=lambda _: _drain(params, sweep_grads),
+                    after_shard=lambda _: drain_grads_into(params, sweep_grads),
                 )
     finally:
         for name, p in params:

@@ -73,6 +73,11 @@ def prefix_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     """Run `model`'s attention layers through LongStraw's prefix attention inside the block."""
     config = model.config
     previous = config._attn_implementation
+    if previous == ATTENTION_NAME:
+        # Already enabled by an enclosing block (the sweep's per-layer recomputation nests this
+        # once per layer): everything is installed, walking the modules again would only cost.
+        yield
+        return
     config._attn_implementation = ATTENTION_NAME
     # GLM-5's attention modules are replaced whole (latent state, DSA selection): models/glm.py.
     family = mla_attention_installed(model) if is_glm(model) else contextlib.nullcontext()

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.prefill import prefill
-from longstraw.engine.replay import PromptCotangent, branch_logprobs
+from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor
@@ -61,7 +61,7 @@ class GradBuffer:
                 p.grad = grad if p.grad is None else p.grad + grad
 
 
-def _drain_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer) -> None:
+def drain_grads_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer) -> None:
     for name, p in params:
         if p.grad is not None:
             buffer.grads[name] += p.grad.float()
@@ -69,7 +69,7 @@ def _drain_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def deterministic_algorithms() -> Iterator[None]:
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:
@@ -194,12 +194,12 @@ def accumulate_group_gradients(
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
 
     branch_losses, branch_logps, branch_stats = [], [], []
-    mode = _deterministic() if prompt_grad == "exact" else contextlib.nullcontext()
+    mode = deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext()
     try:
         with mode:
             started = time.perf_counter()
             for i, response in enumerate(response_ids):
-                logp = branch_logprobs(
+                logp, branch = replay_branch(
                     model, state, response, temperature=loss_config.temperature, cotangent=cotangent
                 )
                 loss, stats = branch_loss(
@@ -214,17 +214,20 @@ def accumulate_group_gradients(
                 )
                 loss.backward()
                 if cotangent is not None:
-                    logp.longstraw_branch.add_leaf_grads_into(cotangent, state)
-                _drain_into(params, contribution)
+                    branch.add_leaf_grads_into(cotangent, state)
+                drain_grads_into(params, contribution)
                 branch_losses.append(float(loss.detach()))
                 branch_logps.append(logp.detach().cpu().tolist())
                 branch_stats.append(stats)
-                del logp, loss
+                del logp, loss, branch
             seconds["replay"] = time.perf_counter() - started
             if cotangent is not None:
                 started = time.perf_counter()
                 sweep_prompt_shards(
-                    model, state, cotangent, after_shard=lambda _: _drain_into(params, contribution)
+                    model,
+                    state,
+                    cotangent,
+                    after_shard=lambda _: drain_grads_into(params, contribution),
                 )
                 seconds["sweep"] = time.perf_counter() - started
     finally:

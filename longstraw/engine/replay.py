@@ -185,8 +185,24 @@ def branch_logprobs(
     """[R] fp32 log-probs of `response_ids` given the frozen prompt state.
 
     Works with and without autograd. With `cotangent` (exact mode) the backward of the returned
-    log-probs also adds the prompt-state cotangent into it; call `finish_branch` after backward.
+    log-probs also adds the prefix K/V cotangent into it; the linear-attention part needs the
+    forked leaves, which `replay_branch` returns.
     """
+    return replay_branch(model, state, response_ids, temperature=temperature, cotangent=cotangent)[
+        0
+    ]
+
+
+def replay_branch(
+    model: PreTrainedModel,
+    state: PrefixState,
+    response_ids: torch.Tensor | Sequence[int],
+    *,
+    temperature: float = 1.0,
+    cotangent: PromptCotangent | None = None,
+) -> tuple[torch.Tensor, BranchCache]:
+    """(log-probs [R], the branch's cache): after backward, `cache.add_leaf_grads_into(cotangent,
+    state)` adds the gradient of the forked linear-attention state (exact mode)."""
     vocab = model.config.get_text_config().vocab_size
     response = as_token_tensor(response_ids, what="response_ids", vocab_size=vocab).to(model.device)
     check_positions(state.spec, state.prompt_len + response.numel(), what="prompt + response")
@@ -196,8 +212,4 @@ def branch_logprobs(
     logits = replay_logits(
         model, state, branch_input_ids(state, response).unsqueeze(0), forked.cache
     )
-    logp = token_logprobs(logits, response.unsqueeze(0), temperature)[0]
-    if cotangent is not None:
-        # Kept on the tensor so the caller can collect the leaves' gradients after backward.
-        logp.longstraw_branch = forked  # type: ignore[attr-defined]
-    return logp
+    return token_logprobs(logits, response.unsqueeze(0), temperature)[0], forked

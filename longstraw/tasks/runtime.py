@@ -19,11 +19,10 @@ import torch
 from longstraw.engine.group import GradBuffer
 from longstraw.schemas.refs import GradRef, TensorSpec
 from longstraw.schemas.run import RunConfig
-from longstraw.schemas.storage import StateKey
 from longstraw.training.context import RunContext, open_run
 from longstraw.training.persisted_prefill import PrefillSession
 from longstraw.training.prompts import PromptExample
-from longstraw.training.step import GroupRollout
+from longstraw.training.step import GroupRollout, policy_key
 
 _lock = threading.RLock()
 _runs: dict[str, RunContext] = {}
@@ -76,15 +75,9 @@ def forget_run(run_id: str) -> None:
             _rollouts.pop(name)
 
 
-def prompt_key(ctx: RunContext, example: PromptExample) -> StateKey:
-    return StateKey.policy(
-        ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest
-    )
-
-
 def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
     """The prefill session of `example` at the run's current policy version."""
-    key = prompt_key(ctx, example)
+    key = policy_key(ctx, example)
     name = f"{ctx.config.run_id}/v{ctx.policy_version}/{example.digest}"
     with _lock:
         found = _sessions.get(name)

@@ -46,13 +46,19 @@ class GroupRollout:
 
 def policy_state(ctx: RunContext, example: PromptExample) -> tuple[PrefixState, PrefillOutcome]:
     """The current policy's state of `example` (reused from storage when already committed)."""
-    key = StateKey.policy(ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
     return persisted_prefill(
         ctx.model,
         example.prompt_ids,
         shard_tokens=ctx.config.engine.shard_tokens,
         storage=ctx.config.storage,
-        key=key,
+        key=policy_key(ctx, example),
+    )
+
+
+def policy_key(ctx: RunContext, example: PromptExample) -> StateKey:
+    """Storage key of `example`'s state under the run's current weights."""
+    return StateKey.policy(
+        ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest
     )
 
 

@@ -21,7 +21,7 @@ from engine_helpers import (
 )
 
 from longstraw.engine.prefill import prefill
-from longstraw.engine.replay import PromptCotangent, branch_logprobs
+from longstraw.engine.replay import PromptCotangent, branch_logprobs, replay_branch
 
 # R = 1 exercises the 1-token path of Gated DeltaNet (recurrent rule, conv over the tail only).
 RESPONSE_LENS = (1, 6, 17)
@@ -87,12 +87,12 @@ def test_branch_replay_with_autograd_backpropagates_through_the_prefix_state(tin
         no_grad_logp = branch_logprobs(model, state, responses[0])
 
     cotangent = PromptCotangent.zeros_like_state(state)
-    logp = branch_logprobs(model, state, responses[0], cotangent=cotangent)
+    logp, branch = replay_branch(model, state, responses[0], cotangent=cotangent)
     assert logp.requires_grad
     # Same ops with and without autograd: the values must not depend on grad mode.
     assert torch.equal(logp.detach(), no_grad_logp), (logp - no_grad_logp).abs().max()
     logp.sum().backward()
-    logp.longstraw_branch.add_leaf_grads_into(cotangent, state)
+    branch.add_leaf_grads_into(cotangent, state)
 
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is None or torch.isfinite(g).all() for g in grads.values())

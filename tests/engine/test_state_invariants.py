@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
-from longstraw.engine.replay import PromptCotangent, branch_logprobs
+from longstraw.engine.replay import PromptCotangent, branch_logprobs, replay_branch
 from longstraw.schemas.grpo import GRPOConfig
 
 MODES = ["no_grad", "detached_backward", "exact_backward", "group_exact"]
@@ -49,10 +49,10 @@ def _replay(model, state, responses, advantages, mode: str) -> None:
                 branch_logprobs(model, state, response)
             continue
         cotangent = PromptCotangent.zeros_like_state(state) if mode == "exact_backward" else None
-        logp = branch_logprobs(model, state, response, cotangent=cotangent)
+        logp, branch = replay_branch(model, state, response, cotangent=cotangent)
         logp.sum().backward()
         if cotangent is not None:
-            logp.longstraw_branch.add_leaf_grads_into(cotangent, state)
+            branch.add_leaf_grads_into(cotangent, state)
 
 
 @pytest.mark.parametrize("mode", MODES)
