@@ -1,11 +1,16 @@
 """torch.distributed pieces: sequence-sharded prompt state, cross-rank attention, reduction.
 
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
-`sharded_branch_logprobs`, `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`,
-`scatter_state` / `gather_state`.
+`persisted_sharded_prefill` (one writer per chunk, resume), `sharded_branch_logprobs`,
+`sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /
+`gather_state`.
 """
 
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
+from longstraw.distributed.persisted_sharded_prefill import (
+    ShardedPrefillOutcome,
+    persisted_sharded_prefill,
+)
 from longstraw.distributed.sharded_group import reduce_gradients, sharded_group_gradients
 from longstraw.distributed.sharded_prefill import sharded_prefill
 from longstraw.distributed.sharded_replay import (
@@ -22,8 +27,10 @@ from longstraw.distributed.sharded_state import (
 
 __all__ = [
     "RankFailedError",
+    "ShardedPrefillOutcome",
     "ShardedPrefixState",
     "gather_state",
+    "persisted_sharded_prefill",
     "rank_shard_ranges",
     "reduce_gradients",
     "run_on_ranks",

@@ -112,9 +112,10 @@ def _gather_partials(out_BHRV: Tensor, lse_BHR: Tensor, group) -> tuple[list[Ten
 
 
 def _broadcast(t: Tensor, src: int, group) -> Tensor:
-    if dist.get_rank() == src:
+    """Broadcast from `src`, a rank OF `group` (not a global rank: groups may be subgroups)."""
+    if dist.get_rank(group) == src:
         COMM.add(t)
-    dist.broadcast(t, src=src, group=group)
+    dist.broadcast(t, group=group, group_src=src)
     return t
 
 

@@ -100,7 +100,7 @@ def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
             buffer = full[:, -1].contiguous()
         else:
             buffer = torch.empty_like(full[:, 0])
-        dist.broadcast(buffer, src=previous, group=group)
+        dist.broadcast(buffer, group=group, group_src=previous)
         if state.rank == owner:
             full[:, 0] = buffer
 
@@ -113,7 +113,34 @@ def broadcast_final_linear_state(state: ShardedPrefixState, group) -> None:
         final = getattr(state, f"final_{name}")
         if state.rank == last:
             final.copy_(getattr(state, name)[:, -1])
-        dist.broadcast(final, src=last, group=group)
+        dist.broadcast(final, group=group, group_src=last)
+
+
+def _prompt_tensor(model: PreTrainedModel, prompt_ids) -> torch.Tensor:
+    ids = as_token_tensor(
+        prompt_ids, what="prompt_ids", vocab_size=model.config.get_text_config().vocab_size
+    )
+    check_positions(state_spec(model), ids.numel(), what="the prompt")
+    return ids
+
+
+def allocate_sharded_state(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    group: dist.ProcessGroup | None = None,
+) -> ShardedPrefixState:
+    """This rank's empty slice of the prompt state (what `sharded_prefill` fills)."""
+    return ShardedPrefixState.allocate(
+        state_spec(model),
+        prompt_ids=_prompt_tensor(model, prompt_ids),
+        shard_tokens=shard_tokens,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        dtype=next(model.parameters()).dtype,
+        device=model.device,
+    )
 
 
 def sharded_prefill(
@@ -123,25 +150,29 @@ def sharded_prefill(
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
     on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+    resume: ShardedPrefixState | None = None,
+    start_shard: int = 0,
 ) -> ShardedPrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`; call on every rank together.
 
-    `on_shard(state, s)` runs on the owner after its shard s is complete (persistence).
+    `on_shard(state, s)` runs on the owner after its shard s is complete (persistence). To resume,
+    pass `resume` (from `allocate_sharded_state`) holding every owned shard before `start_shard`
+    (K/V and the end-of-shard linear checkpoints; shard 0's start state is zero) and the same
+    `start_shard` on every rank: earlier shards are not recomputed, only the linear-state
+    handoffs at their ownership boundaries are replayed (one constant-size broadcast each).
     """
-    spec = state_spec(model)
-    ids = as_token_tensor(
-        prompt_ids, what="prompt_ids", vocab_size=model.config.get_text_config().vocab_size
-    )
-    check_positions(spec, ids.numel(), what="the prompt")
-    state = ShardedPrefixState.allocate(
-        spec,
-        prompt_ids=ids,
-        shard_tokens=shard_tokens,
-        rank=dist.get_rank(group),
-        world_size=dist.get_world_size(group),
-        dtype=next(model.parameters()).dtype,
-        device=model.device,
-    )
+    ids = _prompt_tensor(model, prompt_ids)
+    if resume is None:
+        if start_shard != 0:
+            raise ValueError("start_shard > 0 needs the partially filled state as `resume=`")
+        state = allocate_sharded_state(model, ids, shard_tokens=shard_tokens, group=group)
+    else:
+        state = resume
+        if not torch.equal(state.prompt_ids, ids.cpu()) or state.shard_tokens != shard_tokens:
+            raise ValueError(
+                "the state to resume was computed for another prompt or shard size "
+                f"(shard_tokens {state.shard_tokens} vs {shard_tokens}); start a fresh prefill"
+            )
 
     def kv_writer(shard: int):
         start, end = state.bounds[shard]
@@ -172,7 +203,11 @@ def sharded_prefill(
 
     with torch.no_grad(), cross_rank_attention_enabled(model):
         for shard in range(state.num_shards):
+            # Also at restored boundaries: the start state of a rank's first shard is the previous
+            # owner's end state, which that rank did not restore itself.
             _handoff_linear_state(state, shard, group)
+            if shard < start_shard:
+                continue
             owner = state.owner_of(shard)
             if owner == state.rank:
                 cache = owner_cache(

@@ -209,7 +209,7 @@ def _hand_back_linear_cotangent(
     for name in ("conv", "recurrent"):
         buffer = getattr(cotangent, name)
         incoming = buffer if state.rank == owner else torch.empty_like(buffer)
-        dist.broadcast(incoming, src=owner, group=group)
+        dist.broadcast(incoming, group=group, group_src=owner)
         if state.rank == previous:
             buffer.copy_(incoming)
 

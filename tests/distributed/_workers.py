@@ -105,3 +105,93 @@ def raise_on_rank(rank: int, world: int, failing_rank: int):
         raise ValueError(f"injected failure on rank {rank}")
     dist.barrier()
     return rank
+
+
+def _persisted_setup(checkpoint: str, root: str, prompt_len: int, persist_mode: str):
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.storage import StateKey, StorageConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
+    storage = StorageConfig(root_uri=root, persist_mode=persist_mode)
+    key = StateKey.policy("sharded", 0, "weights", "prompt")
+    return model, prompt, responses, advantages, storage, key
+
+
+def persisted_prefill_dying(
+    rank: int,
+    world: int,
+    checkpoint: str,
+    root: str,
+    prompt_len: int,
+    shard_tokens: int,
+    dying_rank: int,
+    dying_after_shard: int,
+):
+    """Persisted sharded prefill; `dying_rank` exits hard once `dying_after_shard` is recorded."""
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+
+    model, prompt, _, _, storage, key = _persisted_setup(
+        checkpoint, root, prompt_len, "synchronous"
+    )
+
+    def on_shard(state, shard):
+        if rank == dying_rank and shard == dying_after_shard:
+            os._exit(17)
+
+    persisted_sharded_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, on_shard=on_shard
+    )
+    return "finished"
+
+
+def resume_persisted_prefill(
+    rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
+):
+    """Rerun after a crash: resume from the recorded shards; compare with an uninterrupted run."""
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_state import gather_state
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.storage import open_committed_state
+
+    # The rerun writes in the background (the crashed run wrote synchronously): same layout.
+    model, prompt, responses, advantages, storage, key = _persisted_setup(
+        checkpoint, root, prompt_len, "background"
+    )
+    resumed, outcome = persisted_sharded_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key
+    )
+    uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out = {
+        "resumed_at": outcome.resumed_at,
+        "computed": outcome.shards_computed,
+        "restored": outcome.shards_restored,
+        "boundary_reads": outcome.boundary_reads,
+        "num_shards": resumed.num_shards,
+        "ref": None if outcome.ref is None else outcome.ref.manifest_sha256,
+    }
+    whole, want = gather_state(resumed).tensors(), gather_state(uninterrupted).tensors()
+    out["state_bitwise"] = all(torch.equal(whole[n], t) for n, t in want.items())
+    committed = open_committed_state(
+        outcome.ref, expect_weights_digest="weights", expect_policy_version=0, cache=None
+    ).tensors
+    out["committed_bitwise"] = set(committed) == set(want) and all(
+        torch.equal(committed[n], t) for n, t in want.items()
+    )
+    config = GRPOConfig(beta=0.0)
+    got, _ = sharded_group_gradients(model, resumed, responses, advantages, config)
+    ref, _ = sharded_group_gradients(model, uninterrupted, responses, advantages, config)
+    out["grads_bitwise"] = all(torch.equal(got.grads[n], g) for n, g in ref.grads.items())
+    out["grad_errors"] = _grad_errors(got, ref)
+    # A third run finds the state committed: everything restored, nothing computed.
+    again, outcome = persisted_sharded_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key
+    )
+    out["again_computed"] = outcome.shards_computed
+    out["again_bitwise"] = all(
+        torch.equal(gather_state(again).tensors()[n], t) for n, t in want.items()
+    )
+    return out

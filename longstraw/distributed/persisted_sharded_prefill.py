@@ -1,0 +1,234 @@
+"""Sequence-sharded prefill that persists each rank's shards and resumes from the committed ones.
+
+The single-process `PrefillSession` (longstraw/training/persisted_prefill.py) distributed over the
+ranks of a sequence group, through storage's public writer API only:
+
+* One writer per chunk: every rank opens its own writer attempt on the same state directory and
+  writes only the shards it owns (their K/V chunks and end-of-shard linear checkpoints; rank 0
+  also shard 0's start checkpoint). Shard manifests are created exclusively by storage, so a
+  shard is recorded once whoever writes it.
+* Lineage: storage lets a writer record shard k only once it knows shard k-1 as recorded. For a
+  rank's first shard k0 > 0, shard k0-1 belongs to the previous rank; the rank waits for that
+  manifest and reads the shard back (`read_shard`, hash-checked), and checks that its end
+  linear-attention state is bitwise the state the previous rank handed over at the boundary. This
+  costs one shard read per ownership boundary; storage has no public "adopt a recorded shard by
+  its manifest" that would skip the bytes.
+* The state-level commit stays exclusive and happens once: after every rank has its shards
+  recorded (barrier), rank 0 of the group commits; COMMITTED.json is created exclusively.
+* Resume: rank 0 finds the first global shard without a manifest (manifests always form a prefix:
+  by lineage nobody records k before k-1) and broadcasts it; every rank reads back the owned
+  shards before it (`read_shard`), the linear-state handoffs at restored ownership boundaries are
+  replayed over the wire, and `sharded_prefill` computes from that shard on. Committed shards are
+  never recomputed; `ShardedPrefillOutcome` counts what each rank computed and read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharded_prefill
+from longstraw.distributed.sharded_state import ShardedPrefixState
+from longstraw.schemas.storage import (
+    ArraySpec,
+    PrefixStateRef,
+    StateKey,
+    StateLayout,
+    StorageConfig,
+)
+from longstraw.storage import (
+    BackgroundStateWriter,
+    ShardData,
+    StateMismatchError,
+    open_persisting_writer,
+    read_manifest,
+)
+from longstraw.storage.paths import state_dir_uri
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# How often a rank looks for the previous rank's boundary shard manifest (background writers
+# record it asynchronously; synchronous ones have it before the next shard starts).
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ShardedPrefillOutcome:
+    """What this rank's persisted sharded prefill did (the resume tests count work with it)."""
+
+    ref: PrefixStateRef | None
+    """The committed state (the same on every rank); None when persist_mode is "off"."""
+    resumed_at: int
+    """First global shard computed in this call (0: fresh; num_shards: all were recorded)."""
+    shards_computed: int
+    """Owned shards this rank computed (and wrote)."""
+    shards_restored: int
+    """Owned shards this rank read back from storage instead of computing them."""
+    boundary_reads: int
+    """Shards of the previous rank read back for lineage (0 or 1)."""
+
+
+def sharded_state_tensors(state: ShardedPrefixState) -> dict[str, torch.Tensor]:
+    """This rank's arrays by storage name (the names of `PrefixState.tensors()`)."""
+    named = {
+        "full_attention/k": state.keys,
+        "full_attention/v": state.values,
+        "linear_attention/conv": state.conv,
+        "linear_attention/recurrent": state.recurrent,
+    }
+    return {name: tensor for name, tensor in named.items() if tensor is not None}
+
+
+def sharded_state_layout(state: ShardedPrefixState) -> StateLayout:
+    """The storage layout of the WHOLE state a sharded prefill computes (every rank: the same).
+
+    Equal to the single-process `state_layout(PrefixState)`, so either path reads the other's
+    state: token arrays [L, T, ...], checkpoint arrays [L, S + 1, ...].
+    """
+    specs = []
+    for name, tensor in sharded_state_tensors(state).items():
+        if name.startswith("linear_attention/"):
+            kind, along = "checkpoint", state.num_shards + 1
+        else:
+            kind, along = "token", state.num_tokens
+        shape = (tensor.shape[0], along, *tensor.shape[2:])
+        specs.append(ArraySpec(name=name, kind=kind, shape=shape, dtype=_DTYPE_NAMES[tensor.dtype]))
+    return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
+
+
+def _shard_payload(state: ShardedPrefixState, shard: int):
+    """(token slices, end checkpoints, start checkpoints for shard 0) of an owned shard."""
+    start, end = state.bounds[shard]
+    local = shard - state.shards[0]
+    tokens, ends, initial = {}, {}, {}
+    for name, tensor in sharded_state_tensors(state).items():
+        if name.startswith("linear_attention/"):
+            ends[name] = tensor[:, local + 1]
+            initial[name] = tensor[:, 0]
+        else:
+            tokens[name] = tensor[:, start - state.token_start : end - state.token_start]
+    return tokens, ends, (initial if shard == 0 else None)
+
+
+def _restore_shard(state: ShardedPrefixState, shard: int, data: ShardData) -> None:
+    start, end = state.bounds[shard]
+    local = shard - state.shards[0]
+    tensors = sharded_state_tensors(state)
+    for name, piece in data.token_slices.items():
+        target = tensors[name][:, start - state.token_start : end - state.token_start]
+        target.copy_(piece)
+    for name, piece in data.checkpoints.items():
+        tensors[name][:, local + 1] = piece
+    for name, piece in (data.initial_checkpoints or {}).items():
+        tensors[name][:, 0] = piece
+
+
+def _await_manifest(writer, shard: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while shard not in writer.completed_shards():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"shard {shard} (the previous rank's last) has no manifest after {timeout_s:.0f} s; "
+                "its writer died or is stuck — rerun to resume from the recorded shards"
+            )
+        time.sleep(_POLL_S)
+
+
+def _adopt_boundary_shard(writer, state: ShardedPrefixState, timeout_s: float) -> None:
+    """Make the previous rank's last shard known to this rank's writer, and check lineage."""
+    previous = state.shards[0] - 1
+    _await_manifest(writer, previous, timeout_s)
+    data = writer.read_shard(previous)
+    for name, piece in data.checkpoints.items():
+        handed = sharded_state_tensors(state)[name][:, 0]
+        if not torch.equal(piece, handed.cpu()):
+            raise StateMismatchError(
+                f"recorded shard {previous} ends in another {name!r} than the state rank "
+                f"{state.rank - 1} handed to rank {state.rank}: the recorded shards do not come "
+                "from this computation (other weights or a different attempt); gc the directory"
+            )
+
+
+def _broadcast_int(value: int, group) -> int:
+    """Rank 0's `value` (of `group`) on every rank."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, group=group, group_src=0)
+    return int(t.item())
+
+
+def persisted_sharded_prefill(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    storage: StorageConfig,
+    key: StateKey,
+    group: dist.ProcessGroup | None = None,
+    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+    manifest_timeout_s: float = 300.0,
+) -> tuple[ShardedPrefixState, ShardedPrefillOutcome]:
+    """This rank's slice of the prompt state for `key`: resumed, computed and persisted.
+
+    Call on every rank of `group` with the same arguments. `on_shard(state, s)` runs on the owner
+    after shard s is computed AND handed to its writer (recorded, with persist_mode
+    "synchronous"). The result is bitwise what an uninterrupted `sharded_prefill` gives.
+    """
+    state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
+    if storage.persist_mode == "off":
+        state = sharded_prefill(
+            model, state.prompt_ids, shard_tokens=shard_tokens, group=group, on_shard=on_shard
+        )
+        return state, ShardedPrefillOutcome(None, 0, len(state.shards), 0, 0)
+    writer = open_persisting_writer(storage, key, sharded_state_layout(state), resume=True)
+    try:
+        # Rank 0's view decides: ranks listing the directory at slightly different moments
+        # must still agree on where the computation starts.
+        resume_at = _broadcast_int(writer.next_shard() if state.rank == 0 else 0, group)
+        restored = [k for k in state.shards if k < resume_at]
+        for k in restored:
+            _restore_shard(state, k, writer.read_shard(k))
+        # The first shard this rank writes follows a shard it did not write or read: the
+        # previous rank's last one.
+        needs_boundary = state.shards[0] > 0 and resume_at <= state.shards[0]
+        computed = []
+
+        def persist(local: ShardedPrefixState, shard: int) -> None:
+            if shard == local.shards[0] and needs_boundary:
+                _adopt_boundary_shard(writer, local, manifest_timeout_s)
+            writer.write_shard(shard, *_shard_payload(local, shard))
+            computed.append(shard)
+            if on_shard is not None:
+                on_shard(local, shard)
+
+        state = sharded_prefill(
+            model,
+            state.prompt_ids,
+            shard_tokens=shard_tokens,
+            group=group,
+            on_shard=persist,
+            resume=state,
+            start_shard=resume_at,
+        )
+        if isinstance(writer, BackgroundStateWriter):
+            writer.flush()
+        # Every shard is recorded once every rank has flushed its own.
+        dist.barrier(group=group)
+        if state.rank == 0:
+            ref = writer.commit()
+        dist.barrier(group=group)
+        if state.rank != 0:
+            _, ref = read_manifest(state_dir_uri(storage, key), storage)
+    except BaseException:
+        # The caller's error matters, not a follow-up one from the writer's thread.
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
+    writer.close()
+    return state, ShardedPrefillOutcome(
+        ref, resume_at, len(computed), len(restored), int(needs_boundary)
+    )
