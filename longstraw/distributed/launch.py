@@ -31,12 +31,17 @@ _TERMINATE_GRACE_S = 5.0
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised or died; `rank` is the first one seen failing, `detail` its traceback."""
+    """A rank raised or died; `rank` is the first one seen failing, `detail` its traceback.
 
-    def __init__(self, rank: int, detail: str):
+    `exit_code` is set when the rank died without a word (killed, OOM, preempted): rerunning may
+    succeed (and resumes from recorded prefill shards); a rank that raised fails the same way.
+    """
+
+    def __init__(self, rank: int, detail: str, exit_code: int | None = None):
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+        self.exit_code = exit_code
 
 
 def free_port() -> int:
@@ -149,7 +154,9 @@ def run_on_ranks(
                         time.sleep(_POLL_S)
                         if results.empty():
                             raise RankFailedError(
-                                rank, f"process exited with code {proc.exitcode} without a result"
+                                rank,
+                                f"process exited with code {proc.exitcode} without a result",
+                                proc.exitcode,
                             ) from None
                         break
                 if time.monotonic() > deadline:
@@ -179,6 +186,7 @@ def _root_cause(procs: list, values: dict, rank: int, detail: str) -> RankFailed
                     other,
                     f"process exited with code {proc.exitcode} without a result; "
                     f"rank {rank} then failed with:\n{detail}",
+                    proc.exitcode,
                 )
         time.sleep(_POLL_S)
     return RankFailedError(rank, detail)

@@ -4,6 +4,10 @@ The task starts the process group on the worker it runs on (`torch.multiprocessi
 on 127.0.0.1 — gloo on CPU, NCCL on GPUs), every rank prefills its part of the prompt and joins
 the replay and the exact sweep, and rank 0 writes the reduced fp32 gradient as safetensors. The
 task returns a `GradRef` to that file: tensors never pass through Prefect.
+
+With `storage` and `state_key` set, every rank records its own prefill shards as it computes them
+(`persisted_sharded_prefill`). A rank that dies fails the task with `RankFailedError`; the task's
+retry (only for a rank that died, not one that raised) resumes at the first unrecorded shard.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from pathlib import Path
 
 import torch
 from prefect import task
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.refs import GradRef, TensorSpec
-from longstraw.tasks.policies import retry_on_transient
+from longstraw.schemas.storage import StateKey, StorageConfig
+from longstraw.tasks.policies import TRANSIENT_ERRORS
 
 
 class ShardedGroupJob(BaseModel):
@@ -38,19 +43,57 @@ class ShardedGroupJob(BaseModel):
     backend: str = "gloo"
     output_dir: str
     """Where rank 0 writes `grads-<digest>.safetensors`."""
+    storage: StorageConfig | None = None
+    """Where the ranks record the prompt state shard by shard (None: kept in memory only)."""
+    state_key: StateKey | None = None
+    """The prompt state's key in `storage` (required with it)."""
+
+    @model_validator(mode="after")
+    def _key_with_storage(self) -> ShardedGroupJob:
+        if self.storage is not None and self.state_key is None:
+            raise ValueError(
+                "storage is set but state_key is not: give the prompt state's StateKey "
+                "(StateKey.policy(run_id, version, weights_digest, prompt_digest))"
+            )
+        return self
+
+
+def retry_on_rank_death(task, task_run, state) -> bool:
+    """Prefect retry condition: transient faults and ranks that died (killed, OOM, preempted).
+
+    A rank that raised (bad input, a state mismatch) would fail the same way again.
+    """
+    from longstraw.distributed.launch import RankFailedError
+
+    try:
+        state.result()
+    except TRANSIENT_ERRORS:
+        return True
+    except RankFailedError as failure:
+        return failure.exit_code is not None
+    except BaseException:
+        return False
+    return False
 
 
 def _rank_gradient(rank: int, world_size: int, job: ShardedGroupJob) -> dict | None:
     """Runs on every rank: sharded prefill, replay and sweep; rank 0 writes the gradient."""
     from safetensors.torch import save_file
 
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(job.checkpoint, dtype=torch.float32)
     model.eval()
-    state = sharded_prefill(model, torch.tensor(job.prompt_ids), shard_tokens=job.shard_tokens)
+    prompt = torch.tensor(job.prompt_ids)
+    if job.storage is None:
+        state = sharded_prefill(model, prompt, shard_tokens=job.shard_tokens)
+    else:
+        state, _ = persisted_sharded_prefill(
+            model, prompt, shard_tokens=job.shard_tokens, storage=job.storage, key=job.state_key
+        )
     grads, _ = sharded_group_gradients(
         model,
         state,
@@ -76,7 +119,7 @@ def _rank_gradient(rank: int, world_size: int, job: ShardedGroupJob) -> dict | N
     }
 
 
-@task(name="sharded_backward_group", retries=1, retry_condition_fn=retry_on_transient)
+@task(name="sharded_backward_group", retries=1, retry_condition_fn=retry_on_rank_death)
 def sharded_backward_group(job: ShardedGroupJob) -> GradRef:
     """One group's gradient with the prompt state split over `job.world_size` local ranks."""
     from longstraw.distributed.launch import run_on_ranks
