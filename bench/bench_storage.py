@@ -3,7 +3,7 @@ longstraw.storage, each as a ratio against a raw fsspec write/read of the same b
 sizes) in the same run, on local disk and on a loopback S3 server (moto, started and stopped here);
 plus how much of the write time a BackgroundStateWriter hides behind per-shard compute.
 
-    .venv/bin/python bench/bench_storage.py [--gib 1.0] [--repeats 2] [--out bench/results/storage.json]
+    .venv/bin/python bench/bench_storage.py [--gib 1.0] [--repeats 3] [--out bench/results/storage.json]
 
 ratio = raw seconds / longstraw seconds (>= 0.8 is the target: hashing, manifests and commit cost
 at most a fifth of the I/O): the median over --repeats rounds of the per-round ratio, raw and
@@ -13,6 +13,7 @@ longstraw alternating within a round; MB/s figures use the median times.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -102,6 +104,7 @@ def median(xs):
 
 
 def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
+    load_at_start = os.getloadavg()
     fs, root = filesystem(root_uri)
     objects = raw_objects(layout, state)
     nbytes = sum(len(o) for o in objects)
@@ -156,6 +159,7 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
     mbps = lambda s: nbytes / s / 1e6  # noqa: E731
     t_raw_w, t_our_w, t_raw_r, t_our_r = (median(x) for x in (raw_w, our_w, raw_r, our_r))
     return {
+        "load_average_at_start": load_at_start,
         "bytes": nbytes,
         "objects": len(objects),
         "repeats": repeats,
@@ -176,11 +180,12 @@ def bench_backend(root_uri: str, layout, state, repeats: int) -> dict:
     }
 
 
-def bench_overlap(root_uri: str, layout, state, compute_s: float) -> dict:
+def bench_overlap(root_uri: str, layout, state, compute_s: float, repeats: int) -> dict:
     """Prefill loop: per shard, `compute_s` of simulated compute, then hand the shard over.
 
     Compute is a sleep: on a GPU the host thread waits for the device while a shard is computed,
     which leaves the CPU free for the writer thread; that is the overlap this measures.
+    Synchronous and background runs alternate over `repeats` rounds; figures use the medians.
     """
 
     def run(background: bool) -> float:
@@ -193,23 +198,48 @@ def bench_overlap(root_uri: str, layout, state, compute_s: float) -> dict:
         for k in range(layout.num_shards):
             time.sleep(compute_s)
             w.write_shard(k, shard_slices(layout, state, k), {})
-        w.commit(cache=None)
+        ref = w.commit(cache=None)
         elapsed = time.perf_counter() - t
         w.close()
+        fs, path = filesystem(ref.uri)
+        fs.rm(path, recursive=True)
         return elapsed
 
+    load_at_start = os.getloadavg()
     t_compute = compute_s * layout.num_shards
-    t_sync = run(False)
-    t_bg = run(True)
+    sync_s, bg_s = [], []
+    for _ in range(repeats):
+        sync_s.append(run(False))
+        bg_s.append(run(True))
+    t_sync, t_bg = median(sync_s), median(bg_s)
     write_s = t_sync - t_compute
     return {
+        "load_average_at_start": load_at_start,
         "compute_per_shard_s": compute_s,
         "compute_only_s": t_compute,
-        "synchronous_s": t_sync,
-        "background_s": t_bg,
+        "synchronous_s": sync_s,
+        "background_s": bg_s,
         "speedup": t_sync / t_bg,
         "write_time_hidden_fraction": (t_sync - t_bg) / write_s if write_s > 0 else None,
     }
+
+
+def sha256_throughput() -> dict:
+    """sha256 GiB/s of 64 MiB buffers on one thread and on one thread per core: the CPU bound
+    of hashing every chunk on write and on verified read."""
+    data = os.urandom(64 * 2**20)
+
+    def hash_gib(n):
+        for _ in range(n):
+            hashlib.sha256(data).digest()
+
+    out = {}
+    for threads in (1, os.cpu_count() or 1):
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(hash_gib, [16 // threads] * threads))
+        out[f"threads_{threads}_GiBps"] = (16 // threads) * threads / 16 / (time.perf_counter() - t)
+    return out
 
 
 def free_port() -> int:
@@ -258,6 +288,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "load_average_at_start": os.getloadavg(),
+            "sha256": sha256_throughput(),
         },
     }
     local_root = tempfile.mkdtemp(prefix="longstraw-bench-", dir=os.environ.get("BENCH_TMP"))
@@ -283,11 +314,13 @@ def main() -> None:
         print_backend("s3 (moto, loopback)", results["s3_moto_loopback"])
         # Compute per shard ~ the synchronous write time per shard: the case overlap is for.
         per_shard = median(results["local"]["longstraw_write_s"]) / layout.num_shards
-        results["overlap_local"] = bench_overlap(local_root, layout, state, compute_s=per_shard)
+        results["overlap_local"] = bench_overlap(
+            local_root, layout, state, compute_s=per_shard, repeats=args.repeats
+        )
         print_overlap("local", results["overlap_local"])
         per_shard = median(results["s3_moto_loopback"]["longstraw_write_s"]) / layout.num_shards
         results["overlap_s3"] = bench_overlap(
-            "s3://longstraw-bench/overlap", layout, state, compute_s=per_shard
+            "s3://longstraw-bench/overlap", layout, state, compute_s=per_shard, repeats=args.repeats
         )
         print_overlap("s3", results["overlap_s3"])
     finally:
@@ -312,8 +345,8 @@ def print_backend(name: str, r: dict) -> None:
 
 def print_overlap(name: str, r: dict) -> None:
     print(
-        f"{'overlap ' + name:>20}: compute (sleep) {r['compute_only_s']:.2f} s, synchronous {r['synchronous_s']:.2f} s, "
-        f"background {r['background_s']:.2f} s (x{r['speedup']:.2f}, "
+        f"{'overlap ' + name:>20}: compute (sleep) {r['compute_only_s']:.2f} s, synchronous {median(r['synchronous_s']):.2f} s, "
+        f"background {median(r['background_s']):.2f} s (x{r['speedup']:.2f}, "
         f"{100 * (r['write_time_hidden_fraction'] or 0):.0f} % of write time hidden)"
     )
 
