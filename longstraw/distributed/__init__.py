@@ -3,7 +3,7 @@
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
 `persisted_sharded_prefill` (one writer per chunk, resume), `sharded_branch_logprobs`,
 `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /
-`gather_state`.
+`gather_state`; FSDP2 over a ("data", "seq") mesh in `longstraw.distributed.fsdp`.
 """
 
 from longstraw.distributed.launch import RankFailedError, run_on_ranks

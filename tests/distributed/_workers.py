@@ -195,3 +195,103 @@ def resume_persisted_prefill(
         torch.equal(gather_state(again).tensors()[n], t) for n, t in want.items()
     )
     return out
+
+
+def fsdp_data_parallel_step(
+    rank: int, world: int, checkpoint: str, data: int, prompt_len: int, shard_tokens: int
+):
+    """FSDP2 over "data" × sequence sharding over "seq": gradients and optimizer steps against the
+    single-process engine (each data replica's group computed here too, then averaged)."""
+    from torch.distributed.tensor import DTensor
+
+    from longstraw.distributed.fsdp import (
+        SEQ,
+        data_seq_mesh,
+        shard_gradients_over_data,
+        shard_model,
+        unsharded_parameters,
+    )
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    seq = world // data
+    config = GRPOConfig(beta=0.0)
+    lr = 1e-3
+
+    def groups(vocab: int):
+        # Data replica d trains on its own prompt: the same lengths, other tokens.
+        out = []
+        for d in range(data):
+            gen = torch.Generator().manual_seed(SEED + d)
+            prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+            responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
+            out.append((prompt, responses, torch.tensor([0.7, -1.1]) * (d + 1)))
+        return out
+
+    # Single process: every replica's group, averaged; one SGD step.
+    reference, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    reference.eval()
+    batches = groups(reference.config.get_text_config().vocab_size)
+    want = GradBuffer(reference)
+    for prompt, responses, advantages in batches:
+        accumulate_group_gradients(
+            reference, prompt, responses, advantages, config,
+            shard_tokens=shard_tokens, grad_buffer=want,
+        )  # fmt: skip
+    for grad in want.grads.values():
+        grad /= data
+    want.into_param_grads(reference)
+    torch.optim.SGD(reference.parameters(), lr=lr).step()
+
+    # FSDP over "data", this rank's share of its replica's group over "seq".
+    mesh = data_seq_mesh(data, seq)
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    modules = shard_model(model, mesh)
+    prompt, responses, advantages = batches[rank // seq]
+    with unsharded_parameters(modules):
+        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens, group=mesh.get_group(SEQ))
+        got, _ = sharded_group_gradients(
+            model, state, responses, advantages, config, group=mesh.get_group(SEQ)
+        )
+    shard_gradients_over_data(model, got, mesh)
+    params = dict(model.named_parameters())
+    out = {
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "local_numel": sum(p.to_local().numel() for p in params.values()),
+        "total_numel": sum(p.numel() for p in reference.parameters()),
+        "grad": max(
+            ((params[n].grad.full_tensor() - g).abs().max() / g.abs().max()).item()
+            for n, g in want.grads.items()
+        ),
+    }
+    # A dense copy given the gathered FSDP gradient takes the same steps: isolates the optimizer.
+    dense, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    for name, p in dense.named_parameters():
+        p.grad = params[name].grad.full_tensor()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    torch.optim.SGD(dense.parameters(), lr=lr).step()
+    ref_params = dict(reference.named_parameters())
+    # SGD: the parameter difference is lr × the gradient difference (bounded by the gradient
+    # tolerance, 1e-5 of max|g|) plus the rounding of p - lr·g (2 ulp of max|p|). Ratio <= 1.
+    eps = torch.finfo(torch.float32).eps
+    out["sgd_vs_single_process"] = max(
+        (
+            (params[n].full_tensor() - p).abs().max()
+            / (lr * 1e-5 * want.grads[n].abs().max() + 2 * eps * p.abs().max())
+        ).item()
+        for n, p in ref_params.items()
+    )
+    adam = torch.optim.AdamW(model.parameters(), lr=lr)
+    adam.step()
+    torch.optim.AdamW(dense.parameters(), lr=lr).step()
+    out["adam_state_local_numel"] = sum(
+        s["exp_avg"].to_local().numel() for s in adam.state.values()
+    )
+    out["steps_vs_dense_same_grad"] = max(
+        (params[n].full_tensor() - p).abs().max().item() for n, p in dense.named_parameters()
+    )
+    return out

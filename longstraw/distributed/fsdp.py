@@ -1,0 +1,110 @@
+"""FSDP2 (`fully_shard`) over the data-parallel dimension of a ("data", "seq") mesh.
+
+Parameters, their gradients and the optimizer state live sharded over "data" (each data rank
+holds a 1/N_data slice of every tensor, `torch.distributed.tensor.DTensor`). The sequence
+dimension keeps its own reduction: its ranks split ONE group's prompt and SUM their partial
+gradients with the branch part counted once (`reduce_gradients`), which FSDP's averaging
+reduce-scatter cannot express. So one group step is:
+
+1. `unsharded_parameters(model)`: FSDP all-gathers every parameter once (one collective per
+   FSDP module over "data"). While gathered, `model.named_parameters()` are plain tensors, so the
+   engine (prefill, replay, sweep, fp32 `GradBuffer`) runs unchanged, and no FSDP hook issues a
+   collective: `reshard_after_forward=False`, reshard after backward off and gradient sync off.
+   That matters beyond speed: data replicas hold different prompts, so they run different numbers
+   of shard forwards and branch backwards; per-forward all-gathers or per-backward
+   reduce-scatters would pair unrelated calls across replicas and deadlock.
+2. `sharded_group_gradients(..., group=seq_group)`: the group's fp32 gradient, summed over "seq".
+3. `shard_gradients_over_data`: average over "data" and keep only this rank's slice, set as the
+   sharded parameter's `.grad` (a DTensor with the parameter's placements); then FSDP reshards
+   the parameters. The optimizer steps on the sharded parameters, so its state is sharded too.
+
+The data-parallel reduction is an all_reduce of the dense fp32 gradient followed by taking the
+local slice (gloo has no reduce_scatter for uneven CPU tensors); on NCCL a reduce_scatter halves
+that traffic. See docs/scaling.md for what was measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from longstraw.engine.group import GradBuffer
+from longstraw.models.adapters import decoder_of
+
+DATA, SEQ = "data", "seq"
+
+
+def data_seq_mesh(data: int, seq: int, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D mesh: consecutive global ranks form a sequence group (they share one prompt)."""
+    return init_device_mesh(device_type, (data, seq), mesh_dim_names=(DATA, SEQ))
+
+
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> list[FSDPModule]:
+    """`fully_shard` the model over the mesh's "data" dimension; returns the FSDP modules.
+
+    Units: each decoder layer, the embedding, the decoder (final norm) and `lm_head` separately:
+    the engine calls the decoder and `lm_head` itself, so a root unit around the whole model
+    would never see its forward hook (docs/scaling.md).
+    """
+    if model.config.get_text_config().tie_word_embeddings:
+        raise ValueError(
+            "shard_model shards embed_tokens and lm_head as separate units; tied embeddings "
+            "(tie_word_embeddings=True) would share one parameter between two units"
+        )
+    data_mesh = mesh[DATA]
+    decoder = decoder_of(model)
+    units: list[torch.nn.Module] = [*decoder.layers, decoder.embed_tokens, decoder, model.lm_head]
+    for unit in units:
+        fully_shard(unit, mesh=data_mesh, reshard_after_forward=False)
+    modules = [unit for unit in units if isinstance(unit, FSDPModule)]
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+    return modules
+
+
+@contextlib.contextmanager
+def unsharded_parameters(modules: list[FSDPModule]) -> Iterator[None]:
+    """All-gather every FSDP unit's parameters for the block; reshard after (collective)."""
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+
+
+def local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's part of `full` in `param`'s layout (FSDP2: dim 0 in torch.chunk pieces)."""
+    return torch.distributed.tensor.distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
+
+
+def shard_gradients_over_data(model: PreTrainedModel, grads: GradBuffer, mesh: DeviceMesh) -> None:
+    """Average `grads` (dense fp32, by name) over "data"; set each sharded parameter's `.grad`.
+
+    Call after `unsharded_parameters` has resharded (the parameters are DTensors again).
+    """
+    data_group = mesh.get_group(DATA)
+    size = dist.get_world_size(data_group)
+    for name, param in model.named_parameters():
+        if name not in grads.grads:
+            continue
+        full = grads.grads[name]
+        dist.all_reduce(full, group=data_group)
+        full /= size
+        assert isinstance(param, DTensor), f"{name} is not sharded: call shard_model first"
+        local = local_slice(full, param).to(param.dtype)
+        grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+        param.grad = grad if param.grad is None else param.grad + grad
