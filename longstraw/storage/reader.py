@@ -11,7 +11,7 @@ import zarr
 from longstraw.schemas.storage import PrefixStateRef, StateLayout, StateManifest, StorageConfig
 from longstraw.storage.cache import StateCache, default_state_cache
 from longstraw.storage.chunks import for_each_chunk, make_pool, read_chunk, read_chunk_into_local
-from longstraw.storage.codec import chunk_key, sha256_hex, stored_to_tensor
+from longstraw.storage.codec import chunk_key, empty_stored, sha256_hex, stored_to_tensor
 from longstraw.storage.errors import StateIntegrityError, StateMismatchError, StateNotCommittedError
 from longstraw.storage.layout_io import chunk_region, chunk_segments, place_chunk, zarr_store
 from longstraw.storage.paths import (
@@ -113,7 +113,7 @@ def read_state_arrays(
     """Every chunk named by the manifest, read (and hashed) in parallel into full arrays."""
     layout = manifest.layout
     fs, dir_path = filesystem(dir_uri, config)
-    out = {a.name: np.empty(a.shape, dtype=a.stored_dtype) for a in layout.arrays}
+    out = {a.name: empty_stored(a) for a in layout.arrays}
     jobs = [
         (f"{dir_path}/{attempt_dir_name(m.attempt_id)}/{ZARR_NAME}", d)
         for m in manifest.shards

@@ -52,6 +52,7 @@ from longstraw.storage.chunks import (
 )
 from longstraw.storage.codec import (
     chunk_key,
+    empty_stored,
     sha256_hex,
     split_layer_chunks,
     stored_to_tensor,
@@ -290,7 +291,7 @@ class StateWriter:
             )
             for j in along:
                 n = end - start if a.kind == "token" else 1
-                arrays[(a.name, j)] = np.empty((a.shape[0], n, *a.shape[2:]), dtype=a.stored_dtype)
+                arrays[(a.name, j)] = empty_stored(a, (a.shape[0], n, *a.shape[2:]))
 
         def load(d):
             a = self.layout.array(d.array)

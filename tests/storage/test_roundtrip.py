@@ -10,7 +10,7 @@ from helpers import assert_bitwise_equal, make_layout, make_state, run_prefill
 
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import naive_read_committed_state, open_committed_state, open_state_writer
-from longstraw.storage.codec import chunk_key
+from longstraw.storage.codec import chunk_key, empty_stored
 from longstraw.storage.layout_io import zarr_store
 from longstraw.storage.paths import filesystem
 
@@ -102,3 +102,18 @@ def test_direct_chunks_match_zarr_written_chunks(root_uri):
     assert np.array_equal(
         np.asarray(group["mla/latent"][:]), state["mla/latent"].view(torch.uint16).numpy()
     )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_empty_stored_is_a_writable_c_contiguous_array_of_the_stored_dtype(dtype):
+    spec = make_layout(dtype).array("full_attention/k")
+    a = empty_stored(spec)
+    assert (a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable) == (
+        spec.shape,
+        np.dtype(spec.stored_dtype),
+        True,
+        True,
+    )
+    part = empty_stored(spec, (3, 15, 2, 8))
+    part[:] = 7
+    assert part.shape == (3, 15, 2, 8) and int(part.sum()) == 7 * part.size
