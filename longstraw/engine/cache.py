@@ -86,7 +86,9 @@ class ForkedLinearAttentionLayer:
         tail = self.conv_tail_BCW.to(x_BCS.dtype).expand(x_BCS.shape[0], -1, -1)
         full_BCX = torch.cat([tail, x_BCS], dim=-1)
         width = self.conv_tail_BCW.shape[-1]
-        return full_BCX, full_BCX[..., full_BCX.shape[-1] - width :]
+        # A copy, not a view: a view would keep the whole [B, C, W + S] input alive as long as
+        # the tail lives (in the sweep, until the shard's backward; in decoding, all branch long).
+        return full_BCX, full_BCX[..., full_BCX.shape[-1] - width :].clone()
 
     def update_conv_state(self, x_BCS: torch.Tensor) -> torch.Tensor:
         """Return [tail ; x] so the model's causal conv sees its left context; rebind the tail."""

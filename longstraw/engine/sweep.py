@@ -17,6 +17,7 @@ graph.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,6 +35,18 @@ from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
+from longstraw.ops.blockwise_backward import (
+    BLOCK_TOKENS,
+    gated_delta_rule_recomputed_in_blocks,
+    rows_recomputed_in_blocks,
+)
+
+# transformers' Gated DeltaNet (qwen3_5, qwen3_next) calls this module-level function.
+_GDN_FUNCTION = "torch_chunk_gated_delta_rule"
+# Tokens per block of the MLPs' and delta rule's backward in the sweep (read at each call).
+SWEEP_BLOCK_TOKENS = BLOCK_TOKENS
+# Set on the functions the sweep installs, so a nested `sweep_forward` does not wrap them twice.
+_MARK = "longstraw_blockwise"
 
 
 class StateMismatchError(RuntimeError):
@@ -50,10 +63,84 @@ def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, sh
         )
 
 
+def _patch_gated_delta_rule(model: PreTrainedModel) -> list[Callable[[], None]]:
+    """Route `model`'s chunked delta rule through `gated_delta_rule_recomputed_in_blocks`.
+
+    transformers' Gated DeltaNet calls the module-level `torch_chunk_gated_delta_rule` of its
+    modeling module, so that name is rebound. Returns the undo actions.
+    """
+    modules = {
+        sys.modules[type(layer.linear_attn).__module__]
+        for layer in decoder_of(model).layers
+        if hasattr(layer, "linear_attn")
+    }
+    undo = []
+    for module in modules:
+        original = getattr(module, _GDN_FUNCTION, None)
+        if original is None or getattr(original, _MARK, False):
+            continue
+
+        def blockwise(*args, _original=original, **kwargs):
+            return gated_delta_rule_recomputed_in_blocks(
+                _original, *args, block_tokens=SWEEP_BLOCK_TOKENS, **kwargs
+            )
+
+        setattr(blockwise, _MARK, True)
+        setattr(module, _GDN_FUNCTION, blockwise)
+        undo.append(
+            lambda module=module, original=original: setattr(module, _GDN_FUNCTION, original)
+        )
+    return undo
+
+
+def _patch_mlps(model: PreTrainedModel) -> list[Callable[[], None]]:
+    """Route every decoder layer's MLP (token-wise, dense or MoE) through
+    `rows_recomputed_in_blocks`. Returns the undo actions."""
+    undo = []
+    for layer in decoder_of(model).layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or getattr(mlp.forward, _MARK, False):
+            continue
+        params = [p for p in mlp.parameters() if p.requires_grad]
+
+        def in_engine(x, _forward=mlp.forward):
+            # The block recomputation runs during backward, outside every `with` of the sweep.
+            with sweep_forward(model):
+                return _forward(x)
+
+        def blockwise(x, _fn=in_engine, _params=params):
+            return rows_recomputed_in_blocks(_fn, x, _params, block_tokens=SWEEP_BLOCK_TOKENS)
+
+        setattr(blockwise, _MARK, True)
+        mlp.forward = blockwise
+        undo.append(lambda mlp=mlp: delattr(mlp, "forward"))
+    return undo
+
+
+@contextlib.contextmanager
+def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
+    """The forward the sweep recomputes: LongStraw's attention and routing, and the MLPs and
+    delta rule that keep only their inputs and recompute block by block in backward
+    (`longstraw.ops.blockwise_backward`): one layer's graph is then that of `BLOCK_TOKENS`
+    tokens for its MLP and recurrence. Forwards are unchanged (the same functions on the same
+    inputs), so the recomputed shard still reproduces the stored state bitwise.
+
+    Re-entrant: the recomputations of activation checkpointing and of the blockwise backward
+    run during backward, outside the caller's blocks, and enter this again.
+    """
+    with prefix_attention_enabled(model):
+        undo = _patch_gated_delta_rule(model) + _patch_mlps(model)
+        try:
+            yield
+        finally:
+            for action in reversed(undo):
+                action()
+
+
 @contextlib.contextmanager
 def layerwise_recompute(model: PreTrainedModel) -> Iterator[None]:
-    """Inside the block, each decoder layer keeps only its input for backward and recomputes
-    its activations then (non-reentrant activation checkpointing), so a shard's graph holds
+    """Inside the block, each decoder layer keeps only its input and recomputes its activations
+    in backward (non-reentrant activation checkpointing), so a shard's graph holds
     [shard, hidden] per layer plus one layer's activations at a time, not every layer's.
 
     transformers' own gradient checkpointing cannot be used: in training mode it drops the cache
@@ -65,9 +152,7 @@ def layerwise_recompute(model: PreTrainedModel) -> Iterator[None]:
         forward = layer.forward
 
         def run(*args, _forward=forward, **kwargs):
-            # The recomputation runs during backward, outside the caller's `with` blocks: it
-            # must select LongStraw's attention (and routing) again to repeat the same forward.
-            with prefix_attention_enabled(model):
+            with sweep_forward(model):
                 return _forward(*args, **kwargs)
 
         def checkpointed(*args, _run=run, **kwargs):
@@ -155,7 +240,7 @@ def _sweep_shard(
                 on_update=capture("mla", slot),
             )
 
-    with torch.enable_grad(), prefix_attention_enabled(model), layerwise_recompute(model):
+    with torch.enable_grad(), sweep_forward(model), layerwise_recompute(model):
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
 

@@ -122,6 +122,10 @@ def _branch_partial(
     return _finish(*state)
 
 
+# Query rows per chunk in the backward (see `_PrefixCachedAttention.backward`).
+BACKWARD_QUERY_CHUNK = 256
+
+
 def _query_chunks(branch_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, branch_len)) for s in range(0, branch_len, chunk_size)]
 
@@ -280,7 +284,10 @@ class _PrefixCachedAttention(torch.autograd.Function):
         lse_BHR1 = lse_BKGR.view(batch, num_heads, branch_len, 1)
 
         # Per query chunk, in the [K, B, N, X] layout of the forward; q pre-scaled as there.
-        chunks = _query_chunks(branch_len, chunk_size)
+        # Query chunks are at most BACKWARD_QUERY_CHUNK rows: the backward holds about four
+        # [K, B * G * rows, chunk_size] score blocks at once, which for the thousands of queries
+        # of a recomputed prefill shard would otherwise be the largest thing in the sweep.
+        chunks = _query_chunks(branch_len, min(chunk_size, BACKWARD_QUERY_CHUNK))
         q_chunks, grad_out_chunks, lse_chunks, delta_chunks = [], [], [], []
         for start, end in chunks:
             q_chunks.append(_fold(q_BHRD, num_kv_heads, start, end, dtype) * scale)

@@ -82,3 +82,18 @@ def test_exact_gradient_matches_full_sequence_autograd_at_1000(tiny_model, famil
     expected = reference_group_gradient(model, prompt, responses, advantages, cfg, path="full")
     actual, _ = _exact(model, prompt, responses, advantages, cfg, 300)
     assert_grads_close(actual, expected, what=f"{family} P=1000")
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_exact_gradient_with_blockwise_backward_in_small_blocks(tiny_model, family, monkeypatch):
+    """The sweep's MLPs and delta rule recompute their backward 13 tokens at a time (blocks that
+    are neither the shard nor a multiple of the delta rule's 64-token chunk)."""
+    from longstraw.engine import sweep
+
+    monkeypatch.setattr(sweep, "SWEEP_BLOCK_TOKENS", 13)
+    model = tiny_model(family)
+    cfg = GRPOConfig(loss_type="dapo")
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    expected = reference_group_gradient(model, prompt, responses, advantages, cfg, path="full")
+    actual, _ = _exact(model, prompt, responses, advantages, cfg, SHARD_TOKENS)
+    assert_grads_close(actual, expected, what=f"{family} blocks of 13")

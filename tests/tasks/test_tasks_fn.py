@@ -221,12 +221,11 @@ def test_backward_group_retried_after_a_failure_mid_sweep_gives_the_same_gradien
 
     clean = backward()
 
-    # Fail after every branch and the first swept shard were drained into the task's buffers.
+    # Fail after every branch and the first swept shard were added into the task's buffers.
     real_sweep = group_module.sweep_prompt_shards
 
-    def failing_sweep(model, state, cotangent, after_shard):
+    def failing_sweep(model, state, cotangent):
         def after(shard):
-            after_shard(shard)
             raise OSError("injected: storage went away mid-sweep")
 
         return real_sweep(model, state, cotangent, after_shard=after)

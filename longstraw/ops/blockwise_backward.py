@@ -1,0 +1,228 @@
+"""Autograd functions that save only their inputs and recompute in blocks of tokens in backward.
+
+The exact sweep recomputes a whole prefill shard (thousands of tokens) with autograd. With plain
+autograd, the token-wise MLP of one layer keeps [T, intermediate] activations and the chunked
+Gated DeltaNet keeps a dozen per-chunk tensors for all T tokens, until the layer's backward is
+done; that graph, not the prompt state, set exact mode's extra memory. The functions here keep
+the forward exactly as it was — the same function, on the same whole input, under no_grad, so the
+sweep's recomputed state stays bitwise the prefill's — and move the graph into the backward, where
+it is built and freed one block of tokens at a time:
+
+- `rows_recomputed_in_blocks(fn, x, params)`: for a function applied to every token on its own
+  (an MLP, dense or mixture-of-experts with per-token routing), backward recomputes and
+  backpropagates `block_tokens` rows at a time.
+- `gated_delta_rule_recomputed_in_blocks(...)`: for the gated delta rule, whose tokens are tied
+  by the recurrent state, backward first replays the recurrence without autograd to get the
+  state entering each block, then walks the blocks last to first: recompute one block from its
+  entering state (a leaf), backpropagate its output cotangent and the cotangent of its end state,
+  hand the entering state's cotangent to the previous block.
+
+Peak memory of the backward is one block's graph plus the saved inputs, whatever T is. The cost
+is one more forward of the function. The recomputation in backward may round differently from the
+forward (it runs on blocks, and the gated delta rule on LongStraw's chunked kernel); the
+gradients are those of the same function to fp32 rounding, which the exact-gradient tests check
+against full-sequence autograd.
+
+Legend: T tokens, B batch, H heads, D dims; parameter gradients are summed over blocks in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule
+
+# 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
+# 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
+BLOCK_TOKENS = 256
+
+
+def _blocks(total: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, total)) for start in range(0, total, block)]
+
+
+class _RowsRecomputedInBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, block_tokens, x_BTC, *params):
+        ctx.fn, ctx.block_tokens, ctx.params = fn, block_tokens, params
+        ctx.save_for_backward(x_BTC)
+        with torch.no_grad():
+            return fn(x_BTC)
+
+    @staticmethod
+    def backward(ctx, grad_out_BTC):
+        (x_BTC,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[2]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        dx_BTC = torch.zeros_like(x_BTC) if need_x else None
+        dparams: list[torch.Tensor | None] = [None] * len(ctx.params)
+        for start, end in _blocks(x_BTC.shape[1], ctx.block_tokens):
+            x_block = x_BTC[:, start:end].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                out_block = ctx.fn(x_block)
+            inputs = ([x_block] if need_x else []) + [ctx.params[i] for i in wanted]
+            grads = list(
+                torch.autograd.grad(
+                    out_block, inputs, grad_out_BTC[:, start:end], allow_unused=True
+                )
+            )
+            if need_x:
+                dx_BTC[:, start:end] = grads.pop(0)
+            for i, grad in zip(wanted, grads, strict=True):
+                if grad is not None:
+                    dparams[i] = grad.float() if dparams[i] is None else dparams[i].add_(grad)
+        dparams_typed = [
+            None if grad is None else grad.to(param.dtype)
+            for grad, param in zip(dparams, ctx.params, strict=True)
+        ]
+        return (None, None, dx_BTC, *dparams_typed)
+
+
+def rows_recomputed_in_blocks(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x_BTC: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    *,
+    block_tokens: int = BLOCK_TOKENS,
+) -> torch.Tensor:
+    """`fn(x_BTC)`, with a backward that recomputes `fn` on `block_tokens` rows at a time.
+
+    `fn` must treat every token (dim 1) independently and read no tensor requiring grad other
+    than `x_BTC` and `params` (its module's parameters), whose gradients it returns. Without
+    grad, this is `fn(x_BTC)`.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
+    if x_BTC.ndim != 3:
+        raise ValueError(f"x must be [B, T, C]; got shape {tuple(x_BTC.shape)}")
+    if not torch.is_grad_enabled():
+        return fn(x_BTC)
+    return _RowsRecomputedInBlocks.apply(fn, block_tokens, x_BTC, *params)
+
+
+class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward_fn, block_tokens, use_l2norm, query, key, value, g, beta, state):
+        ctx.block_tokens, ctx.use_l2norm = block_tokens, use_l2norm
+        ctx.save_for_backward(query, key, value, g, beta, state)
+        with torch.no_grad():
+            out, final = forward_fn(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_l2norm,
+            )
+        return out, final
+
+    @staticmethod
+    def backward(ctx, grad_out_BTHV, grad_final_BHKV):
+        query, key, value, g, beta, state_BHKV = ctx.saved_tensors
+        inputs = (query, key, value, g, beta)
+        needs = ctx.needs_input_grad[3:8]
+        blocks = _blocks(query.shape[1], ctx.block_tokens)
+
+        def run_block(start_state, q, k, v, gb, bb):
+            return chunked_gated_delta_rule(
+                q,
+                k,
+                v,
+                g=gb,
+                beta=bb,
+                initial_state=start_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=ctx.use_l2norm,
+            )
+
+        # The state entering each block, replayed without autograd.
+        entering = []
+        with torch.no_grad():
+            running = state_BHKV.float()
+            for start, end in blocks:
+                entering.append(running)
+                _, running = run_block(running, *(x[:, start:end] for x in inputs))
+
+        grads_in = [
+            torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
+        ]
+        cot_state = torch.zeros_like(running) if grad_final_BHKV is None else grad_final_BHKV
+        for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
+            leaves = [
+                x[:, start:end].detach().requires_grad_(need)
+                for x, need in zip(inputs, needs, strict=True)
+            ]
+            state_leaf = start_state.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out, end_state = run_block(state_leaf, *leaves)
+            wanted = [i for i, need in enumerate(needs) if need]
+            *grads, grad_state = torch.autograd.grad(
+                (out, end_state),
+                [leaves[i] for i in wanted] + [state_leaf],
+                (grad_out_BTHV[:, start:end], cot_state.float()),
+                allow_unused=True,
+            )
+            for i, grad in zip(wanted, grads, strict=True):
+                if grad is not None:
+                    grads_in[i][:, start:end] = grad
+            cot_state = torch.zeros_like(cot_state) if grad_state is None else grad_state
+        grad_state = cot_state.to(state_BHKV.dtype) if ctx.needs_input_grad[8] else None
+        return (None, None, None, *grads_in, grad_state)
+
+
+def gated_delta_rule_recomputed_in_blocks(
+    forward_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    block_tokens: int = BLOCK_TOKENS,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_fn(...)` (a gated delta rule with transformers' signature; see
+    `longstraw.ops.gated_delta_rule`), with a backward that recomputes `block_tokens` tokens at a
+    time from the state entering each block, on LongStraw's chunked kernel.
+
+    Returns (output [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] fp32 or None). Without grad, or
+    for packed sequences (`cu_seqlens`), this is `forward_fn(...)` unchanged.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
+    call_as_is = not torch.is_grad_enabled() or kwargs.get("cu_seqlens") is not None
+    if call_as_is:
+        return forward_fn(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            **kwargs,
+        )
+    B, _, _, Dk = key.shape
+    Hv, Dv = value.shape[2:]
+    if initial_state is None:
+        initial_state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=value.device)
+    out, final = _GatedDeltaRuleRecomputedInBlocks.apply(
+        forward_fn,
+        block_tokens,
+        use_qk_l2norm_in_kernel,
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state,
+    )
+    return out, (final if output_final_state else None)

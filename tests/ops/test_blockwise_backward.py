@@ -1,0 +1,127 @@
+"""Blockwise-recomputed backward (MLP rows, gated delta rule) against plain autograd.
+
+The forward must be the wrapped function's own output bitwise (the sweep checks the recomputed
+shard against the stored state); the gradients must be plain autograd's to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from longstraw.ops.blockwise_backward import (
+    gated_delta_rule_recomputed_in_blocks,
+    rows_recomputed_in_blocks,
+)
+
+GRAD_RTOL = 2e-6  # relative to the largest entry of each gradient (fp32 reordering)
+
+
+def _assert_grads_close(actual, expected, what):
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        scale = e.abs().max().clamp_min(1e-30)
+        rel = ((a - e).abs().max() / scale).item()
+        assert rel <= GRAD_RTOL, f"{what} grad {i}: max_diff / max|ref| = {rel:.3e}"
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.SiLU(), torch.nn.Linear(40, 16))
+
+
+@pytest.mark.parametrize(("tokens", "block"), [(77, 10), (64, 64), (5, 256), (33, 1)])
+def test_rows_recomputed_in_blocks_matches_autograd(tokens, block):
+    mlp = _mlp()
+    x = torch.randn(2, tokens, 16, requires_grad=True)
+    grad_out = torch.randn(2, tokens, 16)
+    expected_out = mlp(x)
+    expected = torch.autograd.grad(expected_out, [x, *mlp.parameters()], grad_out)
+
+    out = rows_recomputed_in_blocks(mlp, x, list(mlp.parameters()), block_tokens=block)
+    assert torch.equal(out, expected_out.detach())
+    actual = torch.autograd.grad(out, [x, *mlp.parameters()], grad_out)
+    _assert_grads_close(actual, expected, f"mlp T={tokens} block={block}")
+
+
+def test_rows_recomputed_in_blocks_keeps_only_the_input_for_backward():
+    mlp = _mlp()
+    x = torch.randn(1, 300, 16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rows_recomputed_in_blocks(mlp, x, list(mlp.parameters()), block_tokens=32)
+    assert saved == [(1, 300, 16)], f"saved for backward: {saved}"
+
+
+def test_rows_without_grad_is_the_plain_call():
+    mlp = _mlp()
+    x = torch.randn(1, 9, 16)
+    with torch.no_grad():
+        out = rows_recomputed_in_blocks(mlp, x, list(mlp.parameters()))
+    assert not out.requires_grad and torch.equal(out, mlp(x).detach())
+
+
+def _delta_rule_inputs(T, Hk=2, Hv=4, Dk=16, Dv=8, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, T, Hk, Dk, generator=gen, dtype=dtype)
+    k = torch.randn(1, T, Hk, Dk, generator=gen, dtype=dtype)
+    v = torch.randn(1, T, Hv, Dv, generator=gen, dtype=dtype)
+    g = -torch.rand(1, T, Hv, generator=gen) * 0.5
+    beta = torch.rand(1, T, Hv, generator=gen)
+    state = torch.randn(1, Hv, Dk, Dv, generator=gen) * 0.5
+    return [t.requires_grad_() for t in (q, k, v, g, beta, state)]
+
+
+@pytest.mark.parametrize(("tokens", "block"), [(300, 70), (300, 64), (65, 256), (40, 1)])
+def test_gated_delta_rule_recomputed_in_blocks_matches_autograd(tokens, block):
+    """Against autograd through transformers' own chunked delta rule, with a carried initial
+    state and a cotangent on the final state (what the sweep backpropagates)."""
+    original = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    q, k, v, g, beta, state = _delta_rule_inputs(tokens)
+    gen = torch.Generator().manual_seed(3)
+    grad_out = torch.randn(1, tokens, 4, 8, generator=gen)
+    grad_final = torch.randn(1, 4, 16, 8, generator=gen)
+    kwargs = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    ref_out, ref_final = original(q, k, v, g=g, beta=beta, **kwargs)
+    expected = torch.autograd.grad(
+        (ref_out, ref_final), [q, k, v, g, beta, state], (grad_out, grad_final)
+    )
+
+    out, final = gated_delta_rule_recomputed_in_blocks(
+        original, q, k, v, g=g, beta=beta, block_tokens=block, **kwargs
+    )
+    assert torch.equal(out, ref_out.detach()) and torch.equal(final, ref_final.detach())
+    actual = torch.autograd.grad((out, final), [q, k, v, g, beta, state], (grad_out, grad_final))
+    _assert_grads_close(actual, expected, f"delta rule T={tokens} block={block}")
+
+
+def test_gated_delta_rule_blocks_without_final_state_or_initial_state():
+    original = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    q, k, v, g, beta, _ = _delta_rule_inputs(150)
+    grad_out = torch.randn(1, 150, 4, 8)
+    ref_out, _ = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    expected = torch.autograd.grad(ref_out, [q, k, v, g, beta], grad_out)
+    out, final = gated_delta_rule_recomputed_in_blocks(
+        original, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, block_tokens=40
+    )
+    assert final is None
+    actual = torch.autograd.grad(out, [q, k, v, g, beta], grad_out)
+    _assert_grads_close(actual, expected, "delta rule, zero initial state")
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_block_tokens_must_be_positive(bad):
+    mlp = _mlp()
+    with pytest.raises(ValueError, match="block_tokens"):
+        rows_recomputed_in_blocks(mlp, torch.randn(1, 4, 16), [], block_tokens=bad)
+    q, k, v, g, beta, _ = _delta_rule_inputs(4)
+    with pytest.raises(ValueError, match="block_tokens"):
+        gated_delta_rule_recomputed_in_blocks(
+            modeling_qwen3_5.torch_chunk_gated_delta_rule, q, k, v, g, beta, block_tokens=bad
+        )
