@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ def indexer_query_key(indexer, hidden_BSH, q_resid_BSQ, position_embeddings):
     return q, k, weights * (indexer.n_heads**-0.5)
 
 
-def _index_scores(indexer, q_BSHD, weights_BSH, keys_XD):
+def index_scores(indexer, q_BSHD, weights_BSH, keys_XD):
     """[B, S, X] index scores of keys [X, Di] or [B, X, Di] (transformers' op order)."""
     keys = keys_XD.transpose(-1, -2).float()
     keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
@@ -93,16 +94,65 @@ def dsa_selection(
     if num_prefix + branch_len <= topk:
         return None
     parts = [
-        _index_scores(indexer, q_BSHD, weights_BSH, prefix_index_TD[s : s + PREFIX_CHUNK_TOKENS])
+        index_scores(indexer, q_BSHD, weights_BSH, prefix_index_TD[s : s + PREFIX_CHUNK_TOKENS])
         for s in range(0, num_prefix, PREFIX_CHUNK_TOKENS)
     ]
-    branch_BSX = _index_scores(indexer, q_BSHD, weights_BSH, branch_index_BXD)
+    branch_BSX = index_scores(indexer, q_BSHD, weights_BSH, branch_index_BXD)
     query_pos = torch.arange(branch_len - queries, branch_len, device=q_BSHD.device)
     hidden_SX = torch.arange(branch_len, device=q_BSHD.device)[None, :] > query_pos[:, None]
     parts.append(branch_BSX.masked_fill(hidden_SX, float("-inf")))
     keep_BSL = stable_topk_mask(torch.cat(parts, dim=-1), topk)
     # Exactly `topk` per row; nonzero() walks rows in order, so each row's positions ascend.
     return keep_BSL.nonzero()[:, 2].view(batch, queries, topk)
+
+
+class MlaInputs(NamedTuple):
+    """What one GLM attention forward computes from its hidden states, before any state is read."""
+
+    q_nope_BHSN: torch.Tensor
+    q_rot_BHSE: torch.Tensor
+    """Query rope part after RoPE."""
+    latent_BSR: torch.Tensor
+    """This forward's latents after `kv_a_layernorm` (the state it adds)."""
+    rope_BSE: torch.Tensor
+    """This forward's shared rope keys after RoPE."""
+    index_q_BSHD: torch.Tensor | None
+    """Indexer queries (None on `shared` layers, which have no indexer)."""
+    index_key_BSD: torch.Tensor | None
+    index_weights_BSH: torch.Tensor | None
+
+
+def mla_inputs(
+    self: GlmMoeDsaAttention,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> MlaInputs:
+    """The projections, norms and interleaved RoPE of transformers' forward (its modules and
+    helper); shared by this engine's forward and the sequence-sharded one (longstraw.distributed)."""
+    batch, length = hidden_states.shape[:-1]
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q_BHSD = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q_BHSD, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    compressed = self.kv_a_proj_with_mqa(hidden_states)
+    kv_pass, k_rot = torch.split(compressed, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    latent_BSR = self.kv_a_layernorm(kv_pass)
+    k_rot = k_rot.view(batch, 1, length, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    index_q = index_key = index_weights = None
+    if self.indexer is not None:
+        index_q, index_key, index_weights = indexer_query_key(
+            self.indexer, hidden_states, q_resid, position_embeddings
+        )
+    return MlaInputs(q_nope, q_rot, latent_BSR, k_rot[:, 0], index_q, index_key, index_weights)
+
+
+def previous_selection(self: GlmMoeDsaAttention, prev_topk_indices: torch.Tensor | None):
+    """A `shared` layer's selection: the previous full layer's (None: it selected everything)."""
+    if "full" not in self.config.indexer_types[: self.layer_idx]:
+        # transformers raises the same way for a `shared` first layer.
+        raise ValueError("Shared DSA layers require top-k indices from a previous full layer.")
+    return prev_topk_indices
 
 
 def longstraw_mla_forward(
@@ -123,36 +173,24 @@ def longstraw_mla_forward(
         )
     layer = cache.layers[self.layer_idx]
     batch, length = hidden_states.shape[:-1]
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q_BHSD = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim).transpose(1, 2)
-    q_nope, q_rot = torch.split(q_BHSD, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    compressed = self.kv_a_proj_with_mqa(hidden_states)
-    kv_pass, k_rot = torch.split(compressed, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-    latent_BSR = self.kv_a_layernorm(kv_pass)
-    k_rot = k_rot.view(batch, 1, length, self.qk_rope_head_dim)
-    cos, sin = position_embeddings
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-
-    index_key = None
-    if self.indexer is not None:
-        index_q, index_key, index_weights = indexer_query_key(
-            self.indexer, hidden_states, q_resid, position_embeddings
-        )
-    latent_BXR, rope_BXE, index_BXD = layer.update(latent_BSR, k_rot[:, 0], index_key)
+    inputs = mla_inputs(self, hidden_states, position_embeddings)
+    latent_BXR, rope_BXE, index_BXD = layer.update(
+        inputs.latent_BSR, inputs.rope_BSE, inputs.index_key_BSD
+    )
     if self.indexer is not None:
         selected = dsa_selection(
-            self.indexer, index_q, index_weights, layer.prefix_index_TD, index_BXD
+            self.indexer,
+            inputs.index_q_BSHD,
+            inputs.index_weights_BSH,
+            layer.prefix_index_TD,
+            index_BXD,
         )
     else:
-        if "full" not in self.config.indexer_types[: self.layer_idx]:
-            # transformers raises the same way for a `shared` first layer.
-            raise ValueError("Shared DSA layers require top-k indices from a previous full layer.")
-        # None from the previous layer means it selected everything (the dense regime).
-        selected = prev_topk_indices
+        selected = previous_selection(self, prev_topk_indices)
 
     out_BHSV = absorbed_mla_attention(
-        q_nope,
-        q_rot,
+        inputs.q_nope_BHSN,
+        inputs.q_rot_BHSE,
         latent_BXR,
         rope_BXE,
         layer.prefix_latent_TR,
