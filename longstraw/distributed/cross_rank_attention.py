@@ -44,6 +44,7 @@ from longstraw.distributed.partial_attention import (
 )
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import PrefixAttentionLayer
+from longstraw.models.glm import is_glm
 
 ATTENTION_NAME = "longstraw_sharded"
 # Prefix keys per chunk of the partial attention (bounds the score block to [B, H, R, 1024]).
@@ -268,11 +269,18 @@ AttentionInterface.register(ATTENTION_NAME, cross_rank_attention)
 
 @contextlib.contextmanager
 def cross_rank_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model`'s full-attention layers through the cross-rank attention inside the block."""
+    """Run `model`'s full-attention (and GLM MLA) layers across ranks inside the block."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
+    family = contextlib.nullcontext()
+    if is_glm(model):
+        # GLM-5's attention modules are replaced whole (latent prefix, global DSA top-k).
+        from longstraw.distributed.cross_rank_mla import cross_rank_mla_installed
+
+        family = cross_rank_mla_installed(model)
     try:
-        yield
+        with family:
+            yield
     finally:
         config._attn_implementation = previous

@@ -3,7 +3,8 @@
 Schedule (the naive one, measured in docs/scaling.md): global shards in order; the owner of
 shard s runs the ordinary transformers forward of its tokens (`run_shard_forward`) while every
 other rank serves the cross-rank attention (`serve_owner`): ranks before the owner contribute
-partials over all their positions, ranks after it contribute nothing yet. At an ownership
+partials over all their positions, ranks after it contribute nothing yet (GLM-5's MLA layers
+the same way over their latents, with a global DSA top-k: `cross_rank_mla`). At an ownership
 boundary the Gated DeltaNet conv tail and recurrent state are broadcast from the previous owner
 (constant size). At the end the final linear-attention state is broadcast to every rank, which
 replays branches from it.
@@ -23,6 +24,7 @@ from longstraw.distributed.cross_rank_attention import (
     finish_owner,
     serve_owner,
 )
+from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.prefill import run_shard_forward
@@ -54,6 +56,37 @@ def serving_prefixes(state: ShardedPrefixState, shard: int, cotangent=None):
     )
 
 
+def serve_shard(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    shard: int,
+    *,
+    group,
+    cotangent=None,
+) -> int:
+    """Serve the owner of `shard` (not this rank) with this rank's prefix until it is done."""
+    owner = state.owner_of(shard)
+    if state.latent is None:
+        keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
+        return serve_owner(
+            owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values
+        )
+    # GLM-5: MLA layers only (no model family mixes MLA with K/V layers).
+    assert state.keys is None, "a model with both MLA and K/V layers is not supported"
+    end = local_prefix_end(state, shard)
+    mla = state.spec.mla
+    index = [
+        state.indexer_key[mla.indexer_slot(i), :end] if i in mla.indexer_layer_indices else None
+        for i in mla.layer_indices
+    ]
+    return serve_mla_owner(
+        model, owner, list(state.latent[:, :end]), list(state.rope_key[:, :end]), index,
+        local_start=state.token_start, group=group,
+        grad_latent_TR=None if cotangent is None else list(cotangent.latent[:, :end]),
+        grad_rope_TE=None if cotangent is None else list(cotangent.rope_key[:, :end]),
+    )  # fmt: skip
+
+
 def owner_cache(
     state: ShardedPrefixState,
     shard: int,
@@ -62,6 +95,7 @@ def owner_cache(
     kv_hook: Callable[[int], Callable] | None = None,
     linear_layers: Callable[[int, int], ForkedLinearAttentionLayer] | None = None,
     cotangent=None,
+    mla_hook: Callable[[int], Callable] | None = None,
 ) -> StateCache:
     """The `StateCache` the owner of `shard` runs it with (prefill: writes; sweep: captures)."""
     spec = state.spec
@@ -84,6 +118,22 @@ def owner_cache(
     if spec.linear_attention is not None:
         for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
             layers[layer_idx] = linear_layers(slot, local)
+    if spec.mla is not None:
+        mla = spec.mla
+        for slot, layer_idx in enumerate(mla.layer_indices):
+            has_indexer = layer_idx in mla.indexer_layer_indices
+            layers[layer_idx] = CrossRankMlaLayer(
+                state.latent[slot, :end],
+                state.rope_key[slot, :end],
+                state.indexer_key[mla.indexer_slot(layer_idx), :end] if has_indexer else None,
+                group=group,
+                owner=state.rank,
+                num_prefix=start,
+                local_start=state.token_start,
+                grad_latent_TR=None if cotangent is None else cotangent.latent[slot, :end],
+                grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot, :end],
+                on_update=None if mla_hook is None else mla_hook(slot),
+            )
     return StateCache(layers, position_offset=start)
 
 
@@ -187,6 +237,27 @@ def sharded_prefill(
 
         return hook
 
+    def mla_writer(shard: int):
+        start, end = state.bounds[shard]
+        offset = state.token_start
+        mla = state.spec.mla
+
+        def hook(slot: int):
+            layer_idx = mla.layer_indices[slot]
+            index_slot = (
+                mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+            )
+
+            def write(latent_BSR, rope_BSE, index_BSD):
+                state.latent[slot, start - offset : end - offset] = latent_BSR[0]
+                state.rope_key[slot, start - offset : end - offset] = rope_BSE[0]
+                if index_slot is not None:
+                    state.indexer_key[index_slot, start - offset : end - offset] = index_BSD[0]
+
+            return write
+
+        return hook
+
     def linear_writer(slot: int, local: int) -> ForkedLinearAttentionLayer:
         def write_conv(tail_BCW):
             state.conv[slot, local + 1] = tail_BCW[0]
@@ -211,7 +282,12 @@ def sharded_prefill(
             owner = state.owner_of(shard)
             if owner == state.rank:
                 cache = owner_cache(
-                    state, shard, group=group, kv_hook=kv_writer(shard), linear_layers=linear_writer
+                    state,
+                    shard,
+                    group=group,
+                    kv_hook=kv_writer(shard),
+                    linear_layers=linear_writer,
+                    mla_hook=mla_writer(shard),
                 )
                 start, end = state.bounds[shard]
                 run_shard_forward(model, ids, cache, start, end)
@@ -219,7 +295,6 @@ def sharded_prefill(
                 if on_shard is not None:
                     on_shard(state, shard)
             else:
-                keys, values, _, _ = serving_prefixes(state, shard)
-                serve_owner(owner, keys, values, group=group)
+                serve_shard(model, state, shard, group=group)
         broadcast_final_linear_state(state, group)
     return state

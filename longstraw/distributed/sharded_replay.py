@@ -25,9 +25,9 @@ from longstraw.distributed.cross_rank_attention import (
     CrossRankAttentionLayer,
     cross_rank_attention_enabled,
     finish_owner,
-    serve_owner,
 )
-from longstraw.distributed.sharded_prefill import owner_cache, serving_prefixes
+from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
+from longstraw.distributed.sharded_prefill import owner_cache, serve_shard
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
@@ -37,7 +37,8 @@ from longstraw.engine.sweep import StateMismatchError
 
 
 def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
-    """fp32 dS for this rank's slice: K/V of its positions, and the linear state (constant)."""
+    """fp32 dS for this rank's slice: K/V (or MLA latents and rope keys) of its positions, and
+    the linear state (constant). Indexer keys have none (the indexer runs under no_grad)."""
 
     def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
@@ -47,6 +48,8 @@ def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
         zeros(state.values),
         zeros(state.final_conv),
         zeros(state.final_recurrent),
+        zeros(state.latent),
+        zeros(state.rope_key),
     )
 
 
@@ -76,6 +79,21 @@ class ShardedBranch:
                     self.leaves[slot] = (conv, recurrent)
                 layers[layer_idx] = ForkedLinearAttentionLayer(
                     conv.unsqueeze(0), recurrent.unsqueeze(0)
+                )
+        if spec.mla is not None:
+            mla = spec.mla
+            for slot, layer_idx in enumerate(mla.layer_indices):
+                has_indexer = layer_idx in mla.indexer_layer_indices
+                layers[layer_idx] = CrossRankMlaLayer(
+                    state.latent[slot],
+                    state.rope_key[slot],
+                    state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
+                    group=group,
+                    owner=None,
+                    num_prefix=state.num_tokens,
+                    local_start=state.token_start,
+                    grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
+                    grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
                 )
         self.cache = StateCache(layers, position_offset=state.num_tokens)
 
@@ -161,6 +179,15 @@ def _sweep_owned_shard(
             on_recurrent=lambda t, slot=slot: outputs.append(("recurrent", slot, t)),
         )
 
+    def mla_hook(slot: int):
+        def record(latent_BSR, rope_BSE, index_BSD):
+            outputs.extend((("latent", slot, latent_BSR), ("rope_key", slot, rope_BSE)))
+            if index_BSD is not None:
+                index_slot = state.spec.mla.indexer_slot(state.spec.mla.layer_indices[slot])
+                outputs.append(("indexer_key", index_slot, index_BSD))
+
+        return record
+
     with torch.enable_grad(), cross_rank_attention_enabled(model):
         cache = owner_cache(
             state,
@@ -169,6 +196,7 @@ def _sweep_owned_shard(
             kv_hook=kv_hook,
             linear_layers=linear_leaf,
             cotangent=cotangent,
+            mla_hook=mla_hook,
         )
         run_shard_forward(model, state.prompt_ids, cache, start, end)
 
@@ -180,6 +208,13 @@ def _sweep_owned_shard(
             stored = stored_all[slot, start - offset : end - offset]
             cot = cot_all[slot, start - offset : end - offset]
             recomputed = tensor[0].transpose(0, 1)
+        elif kind in ("latent", "rope_key", "indexer_key"):
+            stored = getattr(state, kind)[slot, start - offset : end - offset]
+            # Indexer keys have no cotangent (no_grad indexer): checked, never backpropagated.
+            cot = None
+            if kind != "indexer_key":
+                cot = getattr(cotangent, kind)[slot, start - offset : end - offset]
+            recomputed = tensor[0]
         else:
             stored = getattr(state, kind)[slot, local + 1]
             cot = getattr(cotangent, kind)[slot]
@@ -241,8 +276,5 @@ def sharded_sweep(
                 if after_shard is not None:
                     after_shard(shard)
             else:
-                keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
-                serve_owner(
-                    owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values
-                )
+                serve_shard(model, state, shard, group=group, cotangent=cotangent)
             _hand_back_linear_cotangent(state, cotangent, shard, group)

@@ -4,8 +4,8 @@ Legend: L layers of one kind, T_r state tokens on rank r, K kv heads, D head dim
 shards on rank r, C conv channels, W conv tail, H value heads, Dk/Dv key/value head dims.
 
 Rank r owns a contiguous range of prefill shards (the first `num_shards % world` ranks one more)
-and so a contiguous range of positions [token_start, token_end): their full-attention K/V, and
-the Gated DeltaNet checkpoints at the start of each of its shards plus the end of its last one.
+and so a contiguous range of positions [token_start, token_end): their full-attention K/V (or,
+for GLM-5, their MLA latents, rope keys and DSA indexer keys), and the Gated DeltaNet checkpoints at the start of each of its shards plus the end of its last one.
 Every rank also keeps the FINAL linear-attention state (constant size): branches replay on every
 rank and start from it. Placement only: these are the single-process state's tensors, sliced.
 """
@@ -63,6 +63,12 @@ class ShardedPrefixState:
     """[L, C, W] the linear-attention state after the whole prompt (branches start from it)."""
     final_recurrent: torch.Tensor | None
     """[L, H, Dk, Dv] fp32."""
+    latent: torch.Tensor | None = None
+    """[L, T_r, R] MLA latents of positions [token_start, token_end) (GLM-5), model dtype."""
+    rope_key: torch.Tensor | None = None
+    """[L, T_r, E] MLA shared rope keys."""
+    indexer_key: torch.Tensor | None = None
+    """[L_idx, T_r, Di] DSA indexer keys of the layers with their own indexer."""
 
     @property
     def prompt_len(self) -> int:
@@ -93,8 +99,9 @@ class ShardedPrefixState:
         return next(r for r, owned in enumerate(ranges) if shard in owned)
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's per-token part (K/V)."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+        """Bytes of this rank's per-token part (K/V, MLA latents)."""
+        per_token = (self.keys, self.values, self.latent, self.rope_key, self.indexer_key)
+        return sum(t.numel() * t.element_size() for t in per_token if t is not None)
 
     def checkpoint_bytes(self) -> int:
         tensors = (self.conv, self.recurrent, self.final_conv, self.final_recurrent)
@@ -142,9 +149,23 @@ class ShardedPrefixState:
             )
             final_conv = torch.zeros_like(conv[:, 0])
             final_recurrent = torch.zeros_like(recurrent[:, 0])
+        latent = rope_key = indexer_key = None
+        if spec.mla is not None:
+            mla = spec.mla
+            layers = len(mla.layer_indices)
+            latent = torch.empty(layers, num_local, mla.kv_lora_rank, dtype=dtype, device=device)
+            rope_key = torch.empty(layers, num_local, mla.rope_dim, dtype=dtype, device=device)
+            indexer_key = torch.empty(
+                len(mla.indexer_layer_indices),
+                num_local,
+                mla.index_head_dim,
+                dtype=dtype,
+                device=device,
+            )
         return cls(
             spec, prompt_ids.cpu(), shard_tokens, bounds, rank, world_size, shards,
             keys, values, conv, recurrent, final_conv, final_recurrent,
+            latent, rope_key, indexer_key,
         )  # fmt: skip
 
 
@@ -165,7 +186,14 @@ def scatter_state(state: PrefixState, rank: int, world_size: int) -> ShardedPref
         part(state.recurrent, (slice(None), slice(shards[0], shards[-1] + 2))),
         part(state.conv, (slice(None), final)),
         part(state.recurrent, (slice(None), final)),
+        part(state.latent, (slice(None), slice(start, end))),
+        part(state.rope_key, (slice(None), slice(start, end))),
+        part(state.indexer_key, (slice(None), slice(start, end))),
     )  # fmt: skip
+
+
+# Arrays indexed by token (the rest are per-shard checkpoints).
+_PER_TOKEN = ("keys", "values", "latent", "rope_key", "indexer_key")
 
 
 def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = None) -> PrefixState:
@@ -174,18 +202,16 @@ def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = No
         local.spec,
         prompt_ids=local.prompt_ids,
         shard_tokens=local.shard_tokens,
-        dtype=local.keys.dtype if local.keys is not None else local.conv.dtype,
+        dtype=next(t for t in (local.keys, local.latent, local.conv) if t is not None).dtype,
     )
     ranges = rank_shard_ranges(local.num_shards, local.world_size)
-    for name in ("keys", "values", "conv", "recurrent"):
+    for name in (*_PER_TOKEN, "conv", "recurrent"):
         mine = getattr(local, name)
         if mine is None:
             continue
         # all_gather needs equal sizes: pad every slice to the largest along the sliced dim.
         sizes = [
-            (local.bounds[r[-1]][1] - local.bounds[r[0]][0])
-            if name in ("keys", "values")
-            else len(r) + 1
+            (local.bounds[r[-1]][1] - local.bounds[r[0]][0]) if name in _PER_TOKEN else len(r) + 1
             for r in ranges
         ]
         padded = mine.new_zeros((mine.shape[0], max(sizes), *mine.shape[2:]))
@@ -194,7 +220,7 @@ def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = No
         dist.all_gather(parts, padded, group=group)
         whole = getattr(state, name)
         for owned, size, part in zip(ranges, sizes, parts, strict=True):
-            if name in ("keys", "values"):
+            if name in _PER_TOKEN:
                 start = local.bounds[owned[0]][0]
                 whole[:, start : start + size] = part[:, :size]
             else:

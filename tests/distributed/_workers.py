@@ -33,20 +33,114 @@ def _grad_errors(got, want) -> dict[str, float]:
     return {"max_rel": worst, "rms_rel": (num / den).item()}
 
 
+def _set_index_topk(model, topk: int) -> None:
+    """GLM-5: every indexer keeps `topk` positions (a large value: the dense regime)."""
+    model.config.index_topk = topk
+    for module in model.modules():
+        if hasattr(module, "index_topk"):
+            module.index_topk = topk
+
+
+def _recorded_selections(model, records: list):
+    """Forward hooks appending (layer, DSA selection or None) of every GLM attention call."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention
+
+    def hook(module, args, output):
+        selected = output[2]
+        records.append((module.layer_idx, None if selected is None else selected.clone()))
+
+    return [
+        m.register_forward_hook(hook) for m in model.modules() if isinstance(m, GlmMoeDsaAttention)
+    ]
+
+
+def _same_selections(got: list, want: list) -> tuple[int, int]:
+    """(calls whose selection differs, calls compared); None == None counts as equal."""
+    assert [layer for layer, _ in got] == [layer for layer, _ in want]
+    differ = 0
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+            differ += 1
+    return differ, len(want)
+
+
+def _glm_selection_checks(model, reference, local, world, rank, prompt, responses, shard_tokens):
+    """DSA selections of the sharded engine vs the single-process one, position for position."""
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_replay import sharded_branch_logprobs
+    from longstraw.distributed.sharded_state import scatter_state
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.replay import branch_logprobs
+
+    out: dict = {}
+    layers = model.config.num_hidden_layers
+    # Prefill: this rank's owned shards against the same shards of the single-process prefill.
+    want, got = [], []
+    hooks = _recorded_selections(model, want)
+    try:
+        prefill(model, prompt, shard_tokens=shard_tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    hooks = _recorded_selections(model, got)
+    try:
+        sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    owned = [want[s * layers : (s + 1) * layers] for s in local.shards]
+    out["prefill_selection"] = _same_selections(got, [c for chunk in owned for c in chunk])
+    out["prefill_sparse_calls"] = sum(sel is not None for _, sel in got)
+    # Replay on the placed single-process state (bitwise the same prefix): isolates the global
+    # top-k and the cross-rank merge from prefill's reordered sums.
+    placed = scatter_state(reference, rank, world)
+    want, got, diffs = [], [], []
+    with torch.no_grad():
+        for response in responses:
+            hooks = _recorded_selections(model, want)
+            try:
+                w = branch_logprobs(model, reference, response)
+            finally:
+                for h in hooks:
+                    h.remove()
+            hooks = _recorded_selections(model, got)
+            try:
+                g, _ = sharded_branch_logprobs(model, placed, response)
+            finally:
+                for h in hooks:
+                    h.remove()
+            diffs.append((w - g).abs().max().item())
+    out["replay_selection"] = _same_selections(got, want)
+    out["replay_sparse_calls"] = sum(sel is not None for _, sel in got)
+    out["placed_replay_logp_max_diff"] = max(diffs)
+    return out
+
+
 def compare_with_single_process(
-    rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int
+    rank: int,
+    world: int,
+    checkpoint: str,
+    prompt_len: int,
+    shard_tokens: int,
+    index_topk: int | None = None,
 ):
-    """Sharded prefill/replay/gradients on this rank vs the single-process engine (run here too)."""
+    """Sharded prefill/replay/gradients on this rank vs the single-process engine (run here too).
+
+    `index_topk` (GLM-5) overrides the DSA top-k; GLM runs also compare the DSA selections.
+    """
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_state import gather_state, scatter_state
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.models.glm import is_glm
     from longstraw.schemas.grpo import GRPOConfig
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
+    if index_topk is not None:
+        _set_index_topk(model, index_topk)
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     config = GRPOConfig(beta=0.0)
     out: dict = {}
@@ -64,6 +158,12 @@ def compare_with_single_process(
     )
     out["local_state_bytes"] = local.state_bytes()
     out["total_state_bytes"] = reference.state_bytes()
+    if is_glm(model):
+        out.update(
+            _glm_selection_checks(
+                model, reference, local, world, rank, prompt, responses, shard_tokens
+            )
+        )
     for mode in ("detached", "exact"):
         want = GradBuffer(model)
         stats = accumulate_group_gradients(
