@@ -80,6 +80,9 @@ def sharded_state_tensors(state: ShardedPrefixState) -> dict[str, torch.Tensor]:
         "full_attention/v": state.values,
         "linear_attention/conv": state.conv,
         "linear_attention/recurrent": state.recurrent,
+        "mla/latent": state.latent,
+        "mla/rope_key": state.rope_key,
+        "mla/indexer_key": state.indexer_key,
     }
     return {name: tensor for name, tensor in named.items() if tensor is not None}
 

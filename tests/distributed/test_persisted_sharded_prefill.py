@@ -28,6 +28,8 @@ CASES = [
     ("qwen3_5", 3, 1, 3, [(0, 3, 0), (1, 1, 0), (2, 0, 1)]),
     # Rank 0 dies after shard 1: rank 0 resumes inside its own range.
     ("llama", 2, 0, 1, [(2, 2, 0), (3, 0, 1)]),
+    # GLM-5: MLA latents, rope and indexer keys are token arrays like K/V (sparse DSA at P = 200).
+    ("glm_moe_dsa", 3, 1, 3, [(0, 3, 0), (1, 1, 0), (2, 0, 1)]),
 ]
 
 
@@ -79,11 +81,12 @@ def test_rerun_resumes_from_recorded_shards_and_matches_uninterrupted_run(
         assert r["again_computed"] == 0 and r["again_bitwise"]
 
 
-def test_sharded_layout_is_the_single_process_layout(load_tiny):
+@pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
+def test_sharded_layout_is_the_single_process_layout(load_tiny, family):
     from longstraw.engine.prefill import prefill
     from longstraw.training.persisted_prefill import state_layout
 
-    model = load_tiny("qwen3_5")
+    model = load_tiny(family)
     state = prefill(model, list(range(3, 3 + PROMPT_LEN)), shard_tokens=SHARD_TOKENS)
     for rank in range(3):
         assert sharded_state_layout(scatter_state(state, rank, 3)) == state_layout(state)
