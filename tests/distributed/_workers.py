@@ -395,3 +395,54 @@ def fsdp_data_parallel_step(
         (params[n].full_tensor() - p).abs().max().item() for n, p in dense.named_parameters()
     )
     return out
+
+
+def glm_branch_traffic_and_saved_tensors(rank: int, world: int, checkpoint: str, shard_tokens: int):
+    """GLM-5 replay on a sharded state: bytes each rank hands to collectives for one branch
+    (forward + backward), and the largest tensor autograd saves, at two prompt lengths."""
+    from longstraw.distributed.cross_rank_attention import COMM
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    vocab = model.config.get_text_config().vocab_size
+    out: dict = {"saved": {}}
+    for prompt_len in (100, 300):
+        prompt, responses, _ = _group(vocab, prompt_len)
+        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+        cotangent = zeros_cotangent(state)
+        sizes = []
+
+        def pack(tensor, sizes=sizes):
+            sizes.append(tensor.numel())
+            return tensor
+
+        before = COMM.bytes_sent
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, _ = sharded_branch_logprobs(model, state, responses[0], cotangent=cotangent)
+        logp.sum().backward()
+        out["saved"][prompt_len] = max(sizes)
+        out[f"branch_bytes_{prompt_len}"] = COMM.bytes_sent - before
+        model.zero_grad(set_to_none=True)
+    out["response_len"] = responses[0].numel()
+    return out
+
+
+def glm_sweep_with_corrupted_latent(rank: int, world: int, checkpoint: str, shard_tokens: int):
+    """The last rank's stored latent of the last prompt position is off by 1e-3 (only branches
+    read it, so only the recomputation of the last shard can notice): the sweep must refuse."""
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, 100)
+    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    if rank == world - 1:
+        state.latent[1, -1] += 1e-3
+    sharded_group_gradients(model, state, responses, advantages, GRPOConfig(beta=0.0))
+    return "finished"
