@@ -1,5 +1,8 @@
 """torch.distributed pieces: sequence-sharded prompt state, cross-rank attention, reduction.
 
+Families: K/V (full attention) and Gated DeltaNet layers (`cross_rank_attention`), GLM-5's MLA
+latents with a global DSA top-k (`cross_rank_mla`).
+
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
 `persisted_sharded_prefill` (one writer per chunk, resume), `sharded_branch_logprobs`,
 `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /

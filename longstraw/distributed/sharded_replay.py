@@ -2,8 +2,8 @@
 
 Replay (replicated): every rank runs the same branch forward and backward; its full-attention
 layers read the prefix through the cross-rank attention (partials all-gathered, dq all-reduced),
-so each rank's prompt-state cotangent dS stays local: rank r accumulates dK/dV only for the
-positions it holds. The Gated DeltaNet layers start from the final state every rank keeps.
+so each rank's prompt-state cotangent dS stays local: rank r accumulates dK/dV (GLM-5: d latent,
+d rope key, `cross_rank_mla`) only for the positions it holds. The Gated DeltaNet layers start from the final state every rank keeps.
 
 Reverse sweep (exact mode): global shards last to first; the owner recomputes its shard with
 autograd through the cross-rank attention in owner mode, checks it bitwise against its stored
