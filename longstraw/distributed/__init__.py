@@ -4,7 +4,8 @@ Families: K/V (full attention) and Gated DeltaNet layers (`cross_rank_attention`
 latents with a global DSA top-k (`cross_rank_mla`).
 
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
-`persisted_sharded_prefill` (one writer per chunk, resume), `sharded_branch_logprobs`,
+`persisted_sharded_prefill` (one writer per chunk, resume), `sharded_sample_responses`
+(rollout over the sharded prefix), `sharded_branch_logprobs`,
 `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /
 `gather_state`; FSDP2 over a ("data", "seq") mesh in `longstraw.distributed.fsdp`.
 """
@@ -21,6 +22,10 @@ from longstraw.distributed.sharded_replay import (
     sharded_sweep,
     zeros_cotangent,
 )
+from longstraw.distributed.sharded_rollout import (
+    ReplicaDivergenceError,
+    sharded_sample_responses,
+)
 from longstraw.distributed.sharded_state import (
     ShardedPrefixState,
     gather_state,
@@ -30,6 +35,7 @@ from longstraw.distributed.sharded_state import (
 
 __all__ = [
     "RankFailedError",
+    "ReplicaDivergenceError",
     "ShardedPrefillOutcome",
     "ShardedPrefixState",
     "gather_state",
@@ -41,6 +47,7 @@ __all__ = [
     "sharded_branch_logprobs",
     "sharded_group_gradients",
     "sharded_prefill",
+    "sharded_sample_responses",
     "sharded_sweep",
     "zeros_cotangent",
 ]

@@ -12,6 +12,10 @@ Registered with transformers as attention function "longstraw_sharded"; the laye
   bit for bit. Backward: each rank computes its share of dq from its own keys with the GLOBAL
   lse (FlashAttention-2 style) and adds its keys' dK/dV into its own cotangent slice; an
   all_reduce sums dq. No rank ever sees another rank's K/V.
+* decoding (rollout, replicated, no autograd): every rank runs the same batched decode step;
+  the Q new queries' partial over this rank's prefix positions is all-gathered as in replay, and
+  the branch overlay (kept by the layer, `keep_branch=True`) enters once, as the causal branch
+  partial merged after the gather on every rank, exactly where replay merges the branch part.
 * owner (prefill, reverse sweep): one rank (the shard's owner) runs the model; the others serve.
   Per full-attention layer the owner broadcasts a header and its scaled queries, every rank
   computes the partial over the positions it holds that are before the shard, all_gather, the
@@ -72,6 +76,7 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
     """A full-attention layer whose visible prefix on THIS rank is `prefix_k_TKD` (maybe empty).
 
     `owner` None: replicated mode; otherwise the rank that runs the model (see module docstring).
+    `keep_branch` (decoding, replicated only): keep the branch's own K/V between steps.
     """
 
     def __init__(
@@ -85,13 +90,17 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
         grad_k_TKD: Tensor | None = None,
         grad_v_TKD: Tensor | None = None,
         on_update=None,
+        keep_branch: bool = False,
     ):
+        if keep_branch and owner is not None:
+            raise ValueError("decoding (keep_branch) runs replicated: pass owner=None")
         super().__init__(
             prefix_k_TKD,
             prefix_v_TKD,
             grad_k_TKD=grad_k_TKD,
             grad_v_TKD=grad_v_TKD,
             on_update=on_update,
+            keep_branch=keep_branch,
         )
         self.group = group
         self.owner = owner
@@ -257,9 +266,17 @@ def cross_rank_attention(
             f"attention implementation {ATTENTION_NAME!r} needs a StateCache of "
             "CrossRankAttentionLayer passed as `longstraw_cache=`; run through longstraw.distributed"
         )
-    if key_BKRD.shape[2] != query_BHRD.shape[2]:
-        raise NotImplementedError("decoding over a sequence-sharded prefix is not implemented")
     scale = scaling if scaling is not None else query_BHRD.shape[-1] ** -0.5
+    # Decoding (Q new queries over a longer kept overlay) runs the replay's forward: the causal
+    # branch partial is bottom-right aligned. Its backward covers X = R only, so no autograd.
+    decoding = key_BKRD.shape[2] != query_BHRD.shape[2]
+    if decoding and (
+        layer.owner is not None or (torch.is_grad_enabled() and query_BHRD.requires_grad)
+    ):
+        raise RuntimeError(
+            "decoding over a sequence-sharded prefix runs replicated and without autograd "
+            "(longstraw.distributed.sharded_rollout); replay the sampled responses for gradients"
+        )
     out_BHRV = _CrossRankAttention.apply(query_BHRD, key_BKRD, value_BKRV, layer, float(scale))
     return out_BHRV.transpose(1, 2).contiguous(), None
 

@@ -1,7 +1,7 @@
 """GLM-5 attention over a sequence-sharded latent prefix: absorbed MLA and a global DSA top-k.
 
-Legend: B batch rows, H heads, S queries of this forward, X branch keys (X = S: no decoding
-overlay here), T prefix positions visible to the queries (global), T_r of them held by this
+Legend: B batch rows, H heads, S queries of this forward, X branch keys (X = S in replay and
+prefill; X > S when decoding over the kept overlay, replicated and without autograd), T prefix positions visible to the queries (global), T_r of them held by this
 rank, starting at global position `local_start`; R latent rank, E rope dim, Hi / Di indexer
 heads / key dim, K `index_topk`, N ranks, C candidates of one query.
 
@@ -79,6 +79,7 @@ class CrossRankMlaLayer(PrefixMlaLayer):
 
     `num_prefix` is the global T the queries see (the shard start in owner mode, the whole state
     in replay). `owner` None: replicated mode; otherwise the rank that runs the model.
+    `keep_branch` (decoding, replicated only): keep the branch's latents between steps.
     """
 
     def __init__(
@@ -94,7 +95,10 @@ class CrossRankMlaLayer(PrefixMlaLayer):
         grad_latent_TR: Tensor | None = None,
         grad_rope_TE: Tensor | None = None,
         on_update=None,
+        keep_branch: bool = False,
     ):
+        if keep_branch and owner is not None:
+            raise ValueError("decoding (keep_branch) runs replicated: pass owner=None")
         super().__init__(
             prefix_latent_TR,
             prefix_rope_TE,
@@ -102,6 +106,7 @@ class CrossRankMlaLayer(PrefixMlaLayer):
             grad_latent_TR=grad_latent_TR,
             grad_rope_TE=grad_rope_TE,
             on_update=on_update,
+            keep_branch=keep_branch,
         )
         self.group = group
         self.owner = owner
@@ -362,8 +367,13 @@ def sharded_mla_forward(
     latent_BXR, rope_BXE, index_BXD = layer.update(
         inputs.latent_BSR, inputs.rope_BSE, inputs.index_key_BSD
     )
-    if latent_BXR.shape[1] != length:
-        raise NotImplementedError("decoding over a sequence-sharded prefix is not implemented")
+    if latent_BXR.shape[1] != length and (layer.owner is not None or torch.is_grad_enabled()):
+        # Decoding (a kept overlay longer than this forward): the selection and the latent
+        # attention below are already bottom-right aligned, as single-process; no backward.
+        raise RuntimeError(
+            "decoding over a sequence-sharded prefix runs replicated and without autograd "
+            "(longstraw.distributed.sharded_rollout); replay the sampled responses for gradients"
+        )
     if self.indexer is not None:
         selected = sharded_dsa_selection(
             layer, self.layer_idx, self.indexer, inputs.index_q_BSHD, inputs.index_weights_BSH,

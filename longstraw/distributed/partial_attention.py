@@ -109,23 +109,33 @@ def _per_query_head(x_BKRX: Tensor, num_heads: int) -> Tensor:
     return x_BKRX.repeat_interleave(num_heads // x_BKRX.shape[1], dim=1)
 
 
-def _causal_scores(q_BHRD: Tensor, k_BHRD: Tensor) -> Tensor:
-    length = q_BHRD.shape[2]
-    hidden_RR = torch.ones(length, length, dtype=torch.bool, device=q_BHRD.device).triu_(1)
-    return (q_BHRD @ k_BHRD.transpose(-1, -2)).masked_fill_(hidden_RR, float("-inf"))
+def _causal_scores(q_BHRD: Tensor, k_BHXD: Tensor) -> Tensor:
+    """[B, H, R, X] scores, bottom-right aligned: query i sits at key position X - R + i and sees
+    keys 0 .. X - R + i (X = R: the plain causal mask; X > R: decoding over a kept overlay)."""
+    length, num_keys = q_BHRD.shape[2], k_BHXD.shape[2]
+    hidden_RX = torch.ones(length, num_keys, dtype=torch.bool, device=q_BHRD.device).triu_(
+        num_keys - length + 1
+    )
+    return (q_BHRD @ k_BHXD.transpose(-1, -2)).masked_fill_(hidden_RX, float("-inf"))
 
 
-def causal_partial(q_BHRD: Tensor, k_BKRD: Tensor, v_BKRV: Tensor) -> tuple[Tensor, Tensor]:
+def causal_partial(q_BHRD: Tensor, k_BKXD: Tensor, v_BKXV: Tensor) -> tuple[Tensor, Tensor]:
     """Causal attention of (pre-scaled) queries over the branch's own keys: (out, lse).
 
-    Materialises [B, H, R, R] scores: R is a branch or a prefill shard, not the prompt.
+    X >= R branch keys, the queries being the last R of them (X > R when decoding over a kept
+    overlay; the backward below covers X = R only: decoding runs without autograd).
+    Materialises [B, H, R, X] scores: R and X are a branch or a prefill shard, not the prompt.
     """
     dtype = q_BHRD.dtype
     num_heads = q_BHRD.shape[1]
-    scores_BHRR = _causal_scores(q_BHRD, _per_query_head(k_BKRD.to(dtype), num_heads))
-    lse_BHR = torch.logsumexp(scores_BHRR, dim=-1)
-    probs_BHRR = (scores_BHRR - lse_BHR[..., None]).exp_()
-    return probs_BHRR @ _per_query_head(v_BKRV.to(dtype), num_heads), lse_BHR
+    if k_BKXD.shape[2] < q_BHRD.shape[2]:
+        raise ValueError(
+            f"branch keys ({k_BKXD.shape[2]}) must include the {q_BHRD.shape[2]} queries' own keys"
+        )
+    scores_BHRX = _causal_scores(q_BHRD, _per_query_head(k_BKXD.to(dtype), num_heads))
+    lse_BHR = torch.logsumexp(scores_BHRX, dim=-1)
+    probs_BHRX = (scores_BHRX - lse_BHR[..., None]).exp_()
+    return probs_BHRX @ _per_query_head(v_BKXV.to(dtype), num_heads), lse_BHR
 
 
 def causal_partial_backward(

@@ -54,9 +54,21 @@ def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
 
 
 class ShardedBranch:
-    """One branch's cache on this rank and the linear-attention leaves it forked (exact mode)."""
+    """One branch's cache on this rank and the linear-attention leaves it forked (exact mode).
 
-    def __init__(self, state: ShardedPrefixState, cotangent: PromptCotangent | None, group) -> None:
+    `keep_branch` / `batch_size` (decoding, `sharded_rollout`): the attention layers keep the
+    branch's own K/V (latents) between steps and the forked linear state has `batch_size` rows.
+    """
+
+    def __init__(
+        self,
+        state: ShardedPrefixState,
+        cotangent: PromptCotangent | None,
+        group,
+        *,
+        keep_branch: bool = False,
+        batch_size: int = 1,
+    ) -> None:
         spec = state.spec
         layers: list = [None] * spec.num_layers
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -69,6 +81,7 @@ class ShardedBranch:
                     owner=None,
                     grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
                     grad_v_TKD=None if cotangent is None else cotangent.values[slot],
+                    keep_branch=keep_branch,
                 )
         if spec.linear_attention is not None:
             for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
@@ -78,7 +91,8 @@ class ShardedBranch:
                     recurrent = recurrent.detach().requires_grad_(True)
                     self.leaves[slot] = (conv, recurrent)
                 layers[layer_idx] = ForkedLinearAttentionLayer(
-                    conv.unsqueeze(0), recurrent.unsqueeze(0)
+                    conv.unsqueeze(0).expand(batch_size, -1, -1),
+                    recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
                 )
         if spec.mla is not None:
             mla = spec.mla
@@ -94,6 +108,7 @@ class ShardedBranch:
                     local_start=state.token_start,
                     grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
                     grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
+                    keep_branch=keep_branch,
                 )
         self.cache = StateCache(layers, position_offset=state.num_tokens)
 

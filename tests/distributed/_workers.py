@@ -446,3 +446,150 @@ def glm_sweep_with_corrupted_latent(rank: int, world: int, checkpoint: str, shar
         state.latent[1, -1] += 1e-3
     sharded_group_gradients(model, state, responses, advantages, GRPOConfig(beta=0.0))
     return "finished"
+
+
+def _decode_bytes_per_step(model, state, rows: int, sparse: bool) -> int:
+    """Bytes one rank hands to collectives per decode step of `rows` rows (the formula of
+    docs/scaling.md): per full-attention layer the (out, lse) all_gather G·H·(V+1)·4; per MLA
+    layer G·H·(R+1)·4, plus G·K·16 of DSA candidates per selecting layer (sparse regime); and
+    the 8·G bytes of drawn ids that check the ranks drew the same."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    total = rows * 8
+    spec = state.spec
+    if spec.full_attention is not None:
+        value_dim = state.values.shape[-1]
+        total += len(spec.full_attention.layer_indices) * rows * heads * (value_dim + 1) * 4
+    if spec.mla is not None:
+        rank_dim = state.latent.shape[-1]
+        total += len(spec.mla.layer_indices) * rows * heads * (rank_dim + 1) * 4
+        if sparse:
+            total += len(spec.mla.indexer_layer_indices) * rows * config.index_topk * 16
+    return total
+
+
+def rollout_against_single_process(
+    rank: int,
+    world: int,
+    checkpoint: str,
+    prompt_len: int,
+    shard_tokens: int,
+    second_prompt_len: int,
+    index_topk: int | None = None,
+):
+    """Sharded rollout on this rank vs the single-process rollout (run here too): greedy tokens
+    and log-probs, seeded sampling vs a single-process replay, stop ids, max tokens, traffic."""
+    from longstraw.distributed.cross_rank_attention import COMM
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    if index_topk is not None:
+        _set_index_topk(model, index_topk)
+    vocab = model.config.get_text_config().vocab_size
+    prompt, _, _ = _group(vocab, prompt_len)
+    reference = prefill(model, prompt, shard_tokens=shard_tokens)
+    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+
+    def generator(seed: int = SEED) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    def sharded(params, state=local, seed=SEED):
+        before = COMM.bytes_sent
+        got = sharded_sample_responses(model, state, params, generator=generator(seed))
+        return got, COMM.bytes_sent - before
+
+    def summary(responses):
+        return [(r.token_ids, r.logprobs, r.finish_reason) for r in responses]
+
+    def logp_diff(got, want) -> float:
+        return max(
+            (torch.tensor(g.logprobs) - torch.as_tensor(w)).abs().max().item()
+            for g, w in zip(got, want, strict=True)
+        )
+
+    out: dict = {"sparse": index_topk is None or index_topk < prompt_len + 32}
+    # Greedy (top_k = 1): the single-process tokens.
+    greedy = SamplingParams(num_samples=2, max_new_tokens=9, top_k=1)
+    want_selections, got_selections = [], []
+    hooks = _recorded_selections(model, want_selections)
+    try:
+        want = sample_responses(model, reference, greedy, generator=generator())
+    finally:
+        for h in hooks:
+            h.remove()
+    hooks = _recorded_selections(model, got_selections)
+    try:
+        got, sent = sharded(greedy)
+    finally:
+        for h in hooks:
+            h.remove()
+    # GLM-5: every decode step's DSA selection, row by row, against the single-process one.
+    out["decode_selection"] = _same_selections(got_selections, want_selections)
+    out["decode_sparse_calls"] = sum(sel is not None for _, sel in got_selections)
+    out["greedy"] = summary(got)
+    out["greedy_tokens_equal"] = [g.token_ids for g in got] == [w.token_ids for w in want]
+    out["greedy_logp_max_diff"] = logp_diff(got, [w.logprobs for w in want])
+    out["greedy_bytes"] = sent
+    out["greedy_bytes_formula"] = 9 * _decode_bytes_per_step(model, local, 2, out["sparse"])
+    # Greedy with a stop id first emitted at step >= 2: the single-process response, cut there.
+    tokens = want[0].token_ids
+    cut = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    stop = SamplingParams(num_samples=2, max_new_tokens=9, top_k=1, stop_token_ids=(tokens[cut],))
+    want_stop = sample_responses(model, reference, stop, generator=generator())
+    got_stop, _ = sharded(stop)
+    out["greedy_stop"] = summary(got_stop)
+    out["greedy_stop_equal"] = summary(got_stop) == [
+        (w.token_ids, g.logprobs, w.finish_reason) for w, g in zip(want_stop, got_stop, strict=True)
+    ]
+    out["greedy_stop_len"] = cut + 1
+    # Seeded sampling: every rank the same; log-probs vs a single-process replay of the tokens.
+    sampling = SamplingParams(
+        num_samples=4, max_new_tokens=10, temperature=0.8, top_p=0.95, top_k=50
+    )
+    got, _ = sharded(sampling)
+    out["sampled"] = summary(got)
+    replay = score_responses(model, reference, [g.token_ids for g in got], temperature=0.8)
+    out["sampled_vs_replay_max_diff"] = logp_diff(got, replay)
+    single = sample_responses(model, reference, sampling, generator=generator())
+    out["sampled_equals_single_process"] = [g.token_ids for g in got] == [
+        s.token_ids for s in single
+    ]
+    # The same seed with stop ids drawn at step 3 of rows 0 and 1: each row is the run above cut
+    # at its first stop id (the generator is consumed the same way), decoding ends early.
+    stops = (got[0].token_ids[3], got[1].token_ids[3])
+    stopped, sent = sharded(
+        SamplingParams(
+            num_samples=4, max_new_tokens=10, temperature=0.8, top_p=0.95, top_k=50,
+            stop_token_ids=stops,
+        )
+    )  # fmt: skip
+    out["sampled_stop"] = summary(stopped)
+    out["sampled_stop_ids"] = stops
+    out["sampled_stop_bytes"] = sent
+    out["bytes_per_step"] = _decode_bytes_per_step(model, local, 4, out["sparse"])
+    # Traffic does not grow with the prompt: the same greedy decode on a longer prompt.
+    longer = sharded_prefill(model, _group(vocab, second_prompt_len)[0], shard_tokens=shard_tokens)
+    _, out["greedy_bytes_second_prompt"] = sharded(greedy, state=longer)
+    return out
+
+
+def rollout_with_divergent_seed(rank: int, world: int, checkpoint: str, diverging_rank: int):
+    """`diverging_rank` seeds its generator differently: every rank must refuse, not hang."""
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.engine.rollout import SamplingParams
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, _, _ = _group(model.config.get_text_config().vocab_size, 60)
+    state = sharded_prefill(model, prompt, shard_tokens=17)
+    seed = SEED + (1 if rank == diverging_rank else 0)
+    params = SamplingParams(num_samples=8, max_new_tokens=4)
+    sharded_sample_responses(model, state, params, generator=torch.Generator().manual_seed(seed))
+    return "finished"

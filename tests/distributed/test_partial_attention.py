@@ -91,3 +91,28 @@ def test_rank_local_backward_with_global_lse_matches_autograd():
     _close("dq", grad_q + grad_q_b, leaves[0].grad)
     _close("branch dK", grad_kb, leaves[1].grad)
     _close("branch dV", grad_vb, leaves[2].grad)
+
+
+def test_decode_step_merged_over_rank_partials_matches_single_process_decode_attention():
+    """Q = 2 new queries over an overlay of X = 9 branch keys (bottom-right aligned) and a prefix
+    split into uneven rank parts: the single-process `naive_decode_attention`."""
+    from longstraw.ops.decode_attention import naive_decode_attention
+
+    gen = torch.Generator().manual_seed(SEED)
+    queries, overlay = 2, 9
+    q = torch.randn(B, H, queries, D, generator=gen)
+    kb, vb = (
+        torch.randn(B, K, overlay, D, generator=gen),
+        torch.randn(B, K, overlay, V, generator=gen),
+    )
+    k_prefix, v_prefix = torch.randn(57, K, D, generator=gen), torch.randn(57, K, V, generator=gen)
+    scale = D**-0.5
+    q_s = q * scale
+    parts = [(0, 37), (37, 37), (37, 57)]  # one rank holds no positions
+    partials = [prefix_partial(q_s, k_prefix[a:b], v_prefix[a:b], chunk_size=16) for a, b in parts]
+    out_b, lse_b = causal_partial(q_s, kb, vb)
+    out, _ = merge_partials(
+        [*(o for o, _ in partials), out_b], [*(lse for _, lse in partials), lse_b]
+    )
+    want = naive_decode_attention(q, kb, vb, k_prefix, v_prefix, scale=scale)
+    _close("decode out", out, want)
