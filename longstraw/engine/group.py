@@ -28,8 +28,9 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import sweep_prompt_shards
-from longstraw.engine.validation import as_token_tensor
+from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.losses import branch_loss, reduce_stats, sequence_weights
+from longstraw.models.adapters import state_spec
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.results import GroupStats, StageSeconds
 
@@ -206,6 +207,15 @@ def accumulate_group_gradients(
         num_sequences_in_batch=num_sequences_in_batch,
     )
 
+    # Before any prefill: a response that cannot fit must not cost a prompt's worth of compute.
+    prompt_len = (
+        prompt.prompt_len if isinstance(prompt, PrefixState) else torch.as_tensor(prompt).numel()
+    )
+    check_positions(
+        state_spec(model),
+        prompt_len + max(r.numel() for r in response_ids),
+        what="prompt + longest response",
+    )
     seconds = {"prefill": 0.0, "replay": 0.0, "sweep": 0.0}
     if isinstance(prompt, PrefixState):
         state = prompt

@@ -140,6 +140,22 @@ def test_positions_beyond_the_model_range_are_rejected_without_rope_scaling():
         _accumulate(model, prompt, responses, advantages)
 
 
+def test_a_response_that_cannot_fit_is_refused_before_the_prefill(monkeypatch):
+    """The check runs on prompt + longest response before any compute: a benchmark once
+    prefilled 128K tokens for 14 minutes and then failed on the first branch."""
+    from longstraw.engine import group as group_module
+
+    model = _llama_with(64)
+    prompt, responses, advantages = random_group(60, (3, 9), vocab_of(model))
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("prefill ran before the position check")
+
+    monkeypatch.setattr(group_module, "prefill", no_prefill)
+    with pytest.raises(ValueError, match=r"prompt \+ longest response needs 69 positions"):
+        _accumulate(model, prompt, responses, advantages)
+
+
 def test_positions_beyond_the_model_range_are_allowed_with_rope_scaling():
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     model = _llama_with(64, rope)
