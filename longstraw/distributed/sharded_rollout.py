@@ -30,7 +30,7 @@ from longstraw.distributed.sharded_replay import ShardedBranch
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import StateCache
-from longstraw.engine.rollout import Response, SamplingParams, _filter_logits, decode_response
+from longstraw.engine.rollout import Response, SamplingParams, decode
 from longstraw.engine.validation import check_positions
 
 
@@ -90,44 +90,20 @@ def sharded_sample_responses(
     )
     rows = params.num_samples
     cache = ShardedBranch(state, None, group, keep_branch=True, batch_size=rows).cache
-    tokens_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
-    stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=model.device)
-    sampled: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    finish: list[str | None] = [None] * rows
-    # The loop below is `sample_responses`' step for step (same generator calls in the same
-    # order), so a greedy sharded rollout draws the single-process tokens.
-    for step in range(params.max_new_tokens):
-        logits = _decode_logits(model, tokens_G1, cache)[:, -1].float() / params.temperature
-        full_logp = torch.log_softmax(logits, dim=-1)
-        filtered = _filter_logits(logits, params)
-        choice = torch.multinomial(
-            torch.softmax(filtered, dim=-1), 1, generator=generator
-        )  # [G, 1]
-        _check_same_draws(choice, step, group)
-        chosen_logp = full_logp.gather(-1, choice)[:, 0]
+
+    def next_logits(tokens_G1: torch.Tensor) -> torch.Tensor:
+        logits_GV = _decode_logits(model, tokens_G1, cache)[:, -1]
         cache.position_offset += 1
-        is_stop = (
-            torch.isin(choice[:, 0], stop_ids)
-            if stop_ids.numel()
-            else torch.zeros(rows, dtype=torch.bool)
-        )
-        for row in range(rows):
-            if finish[row] is not None:
-                continue
-            sampled[row].append(int(choice[row, 0]))
-            logprobs[row].append(float(chosen_logp[row]))
-            if bool(is_stop[row]):
-                finish[row] = "stop"
-            elif params.stop_strings:
-                text = decode_response(tokenizer, sampled[row])
-                if any(stop in text for stop in params.stop_strings):
-                    finish[row] = "stop"
-        if all(reason is not None for reason in finish):
-            break
-        tokens_G1 = choice
-    responses = []
-    for row in range(rows):
-        text = decode_response(tokenizer, sampled[row]) if tokenizer is not None else None
-        responses.append(Response(sampled[row], logprobs[row], finish[row] or "length", text))
-    return responses
+        return logits_GV
+
+    # The engine's own sampling loop (same generator calls in the same order), so a greedy
+    # sharded rollout draws the single-process tokens.
+    first_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
+    return decode(
+        next_logits,
+        first_G1,
+        params,
+        generator=generator,
+        tokenizer=tokenizer,
+        after_draw=lambda choice_G1, step: _check_same_draws(choice_G1, step, group),
+    )

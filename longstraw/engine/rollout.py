@@ -10,7 +10,7 @@ log-probs; top-k / top-p / min-p only restrict which tokens may be drawn.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,38 +94,40 @@ def decode_response(tokenizer, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
-@torch.no_grad()
-def sample_responses(
-    model: PreTrainedModel,
-    state: PrefixState,
+def decode(
+    next_logits: Callable[[torch.Tensor], torch.Tensor],
+    first_tokens_G1: torch.Tensor,
     params: SamplingParams,
     *,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    after_draw: Callable[[torch.Tensor, int], None] | None = None,
 ) -> list[Response]:
-    """Sample `params.num_samples` responses from `state` in one batch."""
+    """The sampling loop, independent of where the logits come from.
+
+    `next_logits(tokens_G1)` feeds the G rows' latest tokens [G, 1] to the model (advancing its
+    cache) and returns the next-token logits [G, V]; `after_draw(choice_G1, step)` sees every
+    draw before it is used (the sharded rollout checks there that all ranks drew the same). Rows
+    that finished keep being fed (their draws are ignored) so the batch stays rectangular.
+    """
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
-    check_positions(
-        state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
-    )
-    rows = params.num_samples
-    forked = branch_cache(state, keep_branch=True, batch_size=rows)
-    cache = forked.cache
-    tokens_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
-    stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=model.device)
+    rows = first_tokens_G1.shape[0]
+    tokens_G1 = first_tokens_G1
+    stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=tokens_G1.device)
     sampled: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finish: list[str | None] = [None] * rows
-    for _ in range(params.max_new_tokens):
-        logits = replay_logits(model, state, tokens_G1, cache)[:, -1].float() / params.temperature
+    for step in range(params.max_new_tokens):
+        logits = next_logits(tokens_G1).float() / params.temperature
         full_logp = torch.log_softmax(logits, dim=-1)
         filtered = _filter_logits(logits, params)
         choice = torch.multinomial(
             torch.softmax(filtered, dim=-1), 1, generator=generator
         )  # [G, 1]
+        if after_draw is not None:
+            after_draw(choice, step)
         chosen_logp = full_logp.gather(-1, choice)[:, 0]
-        cache.position_offset += 1
         is_stop = (
             torch.isin(choice[:, 0], stop_ids)
             if stop_ids.numel()
@@ -150,6 +152,33 @@ def sample_responses(
         text = decode_response(tokenizer, sampled[row]) if tokenizer is not None else None
         responses.append(Response(sampled[row], logprobs[row], finish[row] or "length", text))
     return responses
+
+
+@torch.no_grad()
+def sample_responses(
+    model: PreTrainedModel,
+    state: PrefixState,
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+    tokenizer=None,
+) -> list[Response]:
+    """Sample `params.num_samples` responses from `state` in one batch."""
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
+    check_positions(
+        state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
+    )
+    rows = params.num_samples
+    cache = branch_cache(state, keep_branch=True, batch_size=rows).cache
+
+    def next_logits(tokens_G1: torch.Tensor) -> torch.Tensor:
+        logits_GV = replay_logits(model, state, tokens_G1, cache)[:, -1]
+        cache.position_offset += 1
+        return logits_GV
+
+    first_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
+    return decode(next_logits, first_G1, params, generator=generator, tokenizer=tokenizer)
 
 
 @torch.no_grad()
