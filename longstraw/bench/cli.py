@@ -144,11 +144,19 @@ def fidelity(
 
 
 @bench_app.command()
-def plot(results: Path = RESULTS, out_dir: Path = Path("docs/img")) -> None:
+def plot(
+    results: Path = RESULTS,
+    out_dir: Path = Path("docs/img"),
+    context: str = typer.Option(
+        "", help="comma-separated context JSON files to merge (first file's cap and G)"
+    ),
+    group: Path | None = typer.Option(None, help="the group JSON file to draw"),
+) -> None:
     """Draw the PNG plots of docs/benchmarks.md from the JSON results."""
     from longstraw.bench.plots import draw_all
 
-    for path in draw_all(results, out_dir):
+    files = [Path(name) for name in context.split(",") if name]
+    for path in draw_all(results, out_dir, context=files or None, group=group):
         typer.echo(f"wrote {path}")
 
 

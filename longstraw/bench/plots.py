@@ -27,7 +27,9 @@ def _plot_context(data: dict, out_dir: Path) -> Path:
     for record in data["runs"]:
         methods.setdefault(record["spec"]["method"], []).append(record)
     for method, records in methods.items():
-        ok = [r for r in records if r["status"] == "ok"]
+        ok = sorted(
+            (r for r in records if r["status"] == "ok"), key=lambda r: r["spec"]["prompt_tokens"]
+        )
         xs = [r["spec"]["prompt_tokens"] for r in ok]
         style = _STYLE.get(method, {})
         ax_mem.plot(xs, [r["result"]["peak_rss_bytes"] / _GIB for r in ok], label=method, **style)
@@ -107,8 +109,27 @@ def _plot_prefill(data: dict, out_dir: Path) -> Path:
     return path
 
 
-def draw_all(results: Path, out_dir: Path) -> list[Path]:
-    """Every plot whose JSON exists under `results`; returns the PNG paths written."""
+def merge_context_runs(paths: list[Path]) -> dict:
+    """One context suite from several runs: the first file's summary (cap, G) and, for each
+    (method, P), the first record that ran ("ok"), else the first record at all."""
+    loaded = [json.loads(path.read_text()) for path in paths]
+    chosen: dict[tuple[str, int], dict] = {}
+    for data in loaded:
+        for record in data["runs"]:
+            key = (record["spec"]["method"], record["spec"]["prompt_tokens"])
+            if key not in chosen or (chosen[key]["status"] != "ok" and record["status"] == "ok"):
+                chosen[key] = record
+    return {"summary": loaded[0]["summary"], "runs": list(chosen.values())}
+
+
+def draw_all(
+    results: Path, out_dir: Path, *, context: list[Path] | None = None, group: Path | None = None
+) -> list[Path]:
+    """Every plot whose JSON exists under `results`; returns the PNG paths written.
+
+    `context` / `group` name the runs to draw (default: context.json + context_*.json, and
+    group.json), so a plot can show the latest runs only.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,11 +140,16 @@ def draw_all(results: Path, out_dir: Path) -> list[Path]:
         ("group", _plot_group),
         ("prefill", _plot_prefill),
     ):
-        data = _load(results, suite)
-        if data is not None and suite == "context":
-            # Extra lengths measured by separate invocations (context_*.json) join the same plot.
-            for extra in sorted(results.glob("context_*.json")):
-                data["runs"] = data["runs"] + json.loads(extra.read_text())["runs"]
+        if suite == "context" and context:
+            data = merge_context_runs(context)
+        elif suite == "group" and group is not None:
+            data = json.loads(group.read_text())
+        else:
+            data = _load(results, suite)
+            if data is not None and suite == "context":
+                # Extra lengths measured by separate invocations (context_*.json) join the plot.
+                for extra in sorted(results.glob("context_*.json")):
+                    data["runs"] = data["runs"] + json.loads(extra.read_text())["runs"]
         if data is not None and data.get("summary"):
             written.append(draw(data, out_dir))
     return written
