@@ -39,7 +39,8 @@ class GradRef(_Ref):
 
     uri: str
     digest: str
-    """Content digest (sha256 over names, shapes and bytes): identical contributions compare equal."""
+    """Digest of the content (sha256 over names, shapes and per-tensor fp64 sum, magnitude and
+    norm): identical contributions compare equal, a doubled or partial one does not."""
     policy_version: int = Field(ge=0)
     """Version of the weights the gradient was taken at; reduction refuses to mix versions."""
     specs: tuple[TensorSpec, ...] = ()

@@ -257,3 +257,26 @@ def test_retry_condition_retries_transient_faults_only():
     assert retry_on_transient(None, None, _State(TimeoutError())) is True
     assert retry_on_transient(None, None, _State(ValueError("bad input"))) is False
     assert retry_on_transient(None, None, _State(None)) is False
+
+
+def test_grad_ref_digest_tells_equal_doubled_and_partial_contributions_apart():
+    from longstraw.engine.group import GradBuffer
+
+    model = torch.nn.Linear(4, 3)
+    grads = GradBuffer(model)
+    for g in grads.grads.values():
+        g.normal_()
+    same = GradBuffer(model)
+    for name, g in same.grads.items():
+        g.copy_(grads.grads[name])
+    doubled = GradBuffer(model).add_(grads).add_(grads)
+    partial = GradBuffer(model)
+    partial.grads["weight"].copy_(grads.grads["weight"])
+
+    def digest(buffer):
+        ref = runtime.put_grads(buffer, policy_version=0, num_tokens=1)
+        runtime.take_grads(ref)
+        return ref.digest
+
+    assert digest(grads) == digest(same)
+    assert len({digest(grads), digest(doubled), digest(partial)}) == 3
