@@ -93,6 +93,25 @@ def _patch_gated_delta_rule(model: PreTrainedModel) -> list[Callable[[], None]]:
     return undo
 
 
+# True while a shard's backward runs: layer checkpoints then recompute only to restore saved
+# tensors, and the MLP's output is not one of them.
+_LAYER_RECOMPUTE_SKIPS_MLP = [False]
+
+
+def _no_output(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@contextlib.contextmanager
+def _mlp_skipped_in_layer_recompute() -> Iterator[None]:
+    previous = _LAYER_RECOMPUTE_SKIPS_MLP[0]
+    _LAYER_RECOMPUTE_SKIPS_MLP[0] = True
+    try:
+        yield
+    finally:
+        _LAYER_RECOMPUTE_SKIPS_MLP[0] = previous
+
+
 def _patch_mlps(model: PreTrainedModel) -> list[Callable[[], None]]:
     """Route every decoder layer's MLP (token-wise, dense or MoE) through
     `rows_recomputed_in_blocks`. Returns the undo actions."""
@@ -109,7 +128,11 @@ def _patch_mlps(model: PreTrainedModel) -> list[Callable[[], None]]:
                 return _forward(x)
 
         def blockwise(x, _fn=in_engine, _params=params):
-            return rows_recomputed_in_blocks(_fn, x, _params, block_tokens=SWEEP_BLOCK_TOKENS)
+            # While the layer checkpoint recomputes, only the MLP's saved input matters (the
+            # node that backpropagates is the first forward's, with the real function), and
+            # nothing after the MLP in a decoder layer saves a tensor: skip its computation.
+            fn = _no_output if _LAYER_RECOMPUTE_SKIPS_MLP[0] else _fn
+            return rows_recomputed_in_blocks(fn, x, _params, block_tokens=SWEEP_BLOCK_TOKENS)
 
         setattr(blockwise, _MARK, True)
         mlp.forward = blockwise
@@ -272,7 +295,8 @@ def _sweep_shard(
             tensors.append(recomputed)
             grads.append(cot.to(recomputed.dtype))
     if tensors:
-        torch.autograd.backward(tensors, grads)
+        with _mlp_skipped_in_layer_recompute():
+            torch.autograd.backward(tensors, grads)
     # The start state of this shard is read by nothing else: its cotangent replaces the end's.
     for slot, (conv_leaf, recurrent_leaf) in leaves.items():
         cotangent.conv[slot] = 0.0 if conv_leaf.grad is None else conv_leaf.grad.float()
