@@ -63,10 +63,9 @@ from longstraw.models.glm import (
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
 from longstraw.ops.mla_attention import (
-    _branch_partial,
-    _keep_chunk,
     _merge,
     _PrefixLatentAttention,
+    branch_latent_partial,
     split_kv_b_weight,
 )
 
@@ -324,18 +323,11 @@ def sharded_latent_attention(
     selected_BSK: Tensor | None,
 ) -> Tensor:
     """`longstraw.ops.mla_attention.latent_attention` with the prefix partial across ranks."""
-    batch, _, queries, _ = q_lat_BHSR.shape
-    num_prefix, branch_len = layer.num_prefix, latent_BXR.shape[1]
+    num_prefix = layer.num_prefix
     q_lat, q_rot = q_lat_BHSR.float(), q_rot_BHSE.float()
-    device = q_lat.device
-    query_pos = torch.arange(branch_len - queries, branch_len, device=device)
-    causal_SX = torch.arange(branch_len, device=device)[None, :] <= query_pos[:, None]
-    keep_B1SX = causal_SX.expand(batch, 1, queries, branch_len)
-    if selected_BSK is not None:
-        keep_B1SX = keep_B1SX & _keep_chunk(
-            selected_BSK, num_prefix, num_prefix + branch_len, batch, queries, device
-        )
-    out, lse = _branch_partial(q_lat, q_rot, latent_BXR.float(), rope_BXE.float(), keep_B1SX, scale)
+    out, lse = branch_latent_partial(
+        q_lat, q_rot, latent_BXR, rope_BXE, num_prefix, scale=scale, selected_BSK=selected_BSK
+    )
     if num_prefix == 0:
         return out
     needs_grad = torch.is_grad_enabled() and (q_lat.requires_grad or q_rot.requires_grad)

@@ -83,8 +83,6 @@ def sharded_sample_responses(
     """`sample_responses` over this rank's slice of a sharded state; call on every rank of the
     sequence group with the same `params` and an identically seeded `generator`. Every rank
     returns the same responses."""
-    if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
     check_positions(
         state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
     )

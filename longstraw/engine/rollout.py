@@ -164,8 +164,6 @@ def sample_responses(
     tokenizer=None,
 ) -> list[Response]:
     """Sample `params.num_samples` responses from `state` in one batch."""
-    if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode responses; pass tokenizer=")
     check_positions(
         state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
     )

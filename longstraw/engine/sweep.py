@@ -123,8 +123,10 @@ def _patch_mlps(model: PreTrainedModel) -> list[Callable[[], None]]:
         params = [p for p in mlp.parameters() if p.requires_grad]
 
         def in_engine(x, _forward=mlp.forward):
-            # The block recomputation runs during backward, outside every `with` of the sweep.
-            with sweep_forward(model):
+            # The block recomputation runs during backward, outside every `with` of the sweep:
+            # select LongStraw's (stable MoE) routing again. The MLP calls no delta rule and no
+            # other MLP, so the sweep's patches are not needed here.
+            with prefix_attention_enabled(model):
                 return _forward(x)
 
         def blockwise(x, _fn=in_engine, _params=params):

@@ -173,18 +173,11 @@ def latent_attention(
     prefix position, restricted to `selected_BSK` when given. With `prefix_grad_*`, backward adds
     the prefix cotangent into them (fp32, [T, R] / [T, E]).
     """
-    batch, _, queries, _ = q_lat_BHSR.shape
-    num_prefix, branch_len = prefix_latent_TR.shape[0], latent_BXR.shape[1]
+    num_prefix = prefix_latent_TR.shape[0]
     q_lat, q_rot = q_lat_BHSR.float(), q_rot_BHSE.float()
-    device = q_lat.device
-    query_pos = torch.arange(branch_len - queries, branch_len, device=device)
-    causal_SX = torch.arange(branch_len, device=device)[None, :] <= query_pos[:, None]
-    keep_B1SX = causal_SX.expand(batch, 1, queries, branch_len)
-    if selected_BSK is not None:
-        keep_B1SX = keep_B1SX & _keep_chunk(
-            selected_BSK, num_prefix, num_prefix + branch_len, batch, queries, device
-        )
-    out, lse = _branch_partial(q_lat, q_rot, latent_BXR.float(), rope_BXE.float(), keep_B1SX, scale)
+    out, lse = branch_latent_partial(
+        q_lat, q_rot, latent_BXR, rope_BXE, num_prefix, scale=scale, selected_BSK=selected_BSK
+    )
     if num_prefix == 0:
         return out
     grads = (prefix_grad_latent_TR, prefix_grad_rope_TE)
@@ -192,6 +185,40 @@ def latent_attention(
         q_lat, q_rot, prefix_latent_TR, prefix_rope_TE, selected_BSK, scale, chunk_size, grads
     )
     return _merge(out_p, lse_p, out, lse)
+
+
+def branch_latent_partial(
+    q_lat_BHSR: Tensor,
+    q_rot_BHSE: Tensor,
+    latent_BXR: Tensor,
+    rope_BXE: Tensor,
+    num_prefix: int,
+    *,
+    scale: float,
+    selected_BSK: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, H, S, R], lse [B, H, S]) fp32 of the S queries over the branch's own X keys:
+    query i sits at branch position X - S + i, sees keys 0 .. X - S + i, and — with
+    `selected_BSK` (positions counted from the prompt start, `num_prefix` tokens before the
+    branch) — only the selected ones."""
+    batch, _, queries, _ = q_lat_BHSR.shape
+    branch_len = latent_BXR.shape[1]
+    device = q_lat_BHSR.device
+    query_pos = torch.arange(branch_len - queries, branch_len, device=device)
+    causal_SX = torch.arange(branch_len, device=device)[None, :] <= query_pos[:, None]
+    keep_B1SX = causal_SX.expand(batch, 1, queries, branch_len)
+    if selected_BSK is not None:
+        keep_B1SX = keep_B1SX & _keep_chunk(
+            selected_BSK, num_prefix, num_prefix + branch_len, batch, queries, device
+        )
+    return _branch_partial(
+        q_lat_BHSR.float(),
+        q_rot_BHSE.float(),
+        latent_BXR.float(),
+        rope_BXE.float(),
+        keep_B1SX,
+        scale,
+    )
 
 
 def absorbed_mla_attention(
