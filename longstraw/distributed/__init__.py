@@ -4,7 +4,8 @@ Families: K/V (full attention) and Gated DeltaNet layers (`cross_rank_attention`
 latents with a global DSA top-k (`cross_rank_mla`).
 
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
-`persisted_sharded_prefill` (one writer per chunk, resume), `sharded_sample_responses`
+`persisted_sharded_prefill` (one writer per chunk, resume), `wavefront_prefill` (the same
+state on a layer wavefront: all ranks compute at once), `sharded_sample_responses`
 (rollout over the sharded prefix), `sharded_branch_logprobs`,
 `sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /
 `gather_state`; FSDP2 over a ("data", "seq") mesh in `longstraw.distributed.fsdp`.
@@ -32,6 +33,7 @@ from longstraw.distributed.sharded_state import (
     rank_shard_ranges,
     scatter_state,
 )
+from longstraw.distributed.wavefront_prefill import wavefront_prefill
 
 __all__ = [
     "RankFailedError",
@@ -49,5 +51,6 @@ __all__ = [
     "sharded_prefill",
     "sharded_sample_responses",
     "sharded_sweep",
+    "wavefront_prefill",
     "zeros_cotangent",
 ]

@@ -137,6 +137,52 @@ def owner_cache(
     return StateCache(layers, position_offset=start)
 
 
+def owner_prefill_cache(state: ShardedPrefixState, shard: int, *, group) -> StateCache:
+    """`owner_cache` whose layers write `shard`'s K/V (GLM-5: latents, rope and indexer keys)
+    and its end-of-shard linear checkpoints into this rank's `state`: what the owner runs the
+    shard's forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
+    start, end = state.bounds[shard]
+    rows = slice(start - state.token_start, end - state.token_start)
+
+    def kv_hook(slot: int):
+        def write(k_BKSD, v_BKSD):
+            state.keys[slot, rows] = k_BKSD[0].transpose(0, 1)
+            state.values[slot, rows] = v_BKSD[0].transpose(0, 1)
+
+        return write
+
+    def mla_hook(slot: int):
+        mla = state.spec.mla
+        layer_idx = mla.layer_indices[slot]
+        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+
+        def write(latent_BSR, rope_BSE, index_BSD):
+            state.latent[slot, rows] = latent_BSR[0]
+            state.rope_key[slot, rows] = rope_BSE[0]
+            if index_slot is not None:
+                state.indexer_key[index_slot, rows] = index_BSD[0]
+
+        return write
+
+    def linear_layer(slot: int, local: int) -> ForkedLinearAttentionLayer:
+        def write_conv(tail_BCW):
+            state.conv[slot, local + 1] = tail_BCW[0]
+
+        def write_recurrent(rec_BHKV):
+            state.recurrent[slot, local + 1] = rec_BHKV[0]
+
+        return ForkedLinearAttentionLayer(
+            state.conv[slot, local].unsqueeze(0),
+            state.recurrent[slot, local].unsqueeze(0),
+            on_conv=write_conv,
+            on_recurrent=write_recurrent,
+        )
+
+    return owner_cache(
+        state, shard, group=group, kv_hook=kv_hook, linear_layers=linear_layer, mla_hook=mla_hook
+    )
+
+
 def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
     """Broadcast the linear-attention state at the start of `shard` from the previous owner."""
     if state.conv is None or shard == 0:
@@ -224,54 +270,6 @@ def sharded_prefill(
                 f"(shard_tokens {state.shard_tokens} vs {shard_tokens}); start a fresh prefill"
             )
 
-    def kv_writer(shard: int):
-        start, end = state.bounds[shard]
-        offset = state.token_start
-
-        def hook(slot: int):
-            def write(k_BKSD, v_BKSD):
-                state.keys[slot, start - offset : end - offset] = k_BKSD[0].transpose(0, 1)
-                state.values[slot, start - offset : end - offset] = v_BKSD[0].transpose(0, 1)
-
-            return write
-
-        return hook
-
-    def mla_writer(shard: int):
-        start, end = state.bounds[shard]
-        offset = state.token_start
-        mla = state.spec.mla
-
-        def hook(slot: int):
-            layer_idx = mla.layer_indices[slot]
-            index_slot = (
-                mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
-            )
-
-            def write(latent_BSR, rope_BSE, index_BSD):
-                state.latent[slot, start - offset : end - offset] = latent_BSR[0]
-                state.rope_key[slot, start - offset : end - offset] = rope_BSE[0]
-                if index_slot is not None:
-                    state.indexer_key[index_slot, start - offset : end - offset] = index_BSD[0]
-
-            return write
-
-        return hook
-
-    def linear_writer(slot: int, local: int) -> ForkedLinearAttentionLayer:
-        def write_conv(tail_BCW):
-            state.conv[slot, local + 1] = tail_BCW[0]
-
-        def write_recurrent(rec_BHKV):
-            state.recurrent[slot, local + 1] = rec_BHKV[0]
-
-        return ForkedLinearAttentionLayer(
-            state.conv[slot, local].unsqueeze(0),
-            state.recurrent[slot, local].unsqueeze(0),
-            on_conv=write_conv,
-            on_recurrent=write_recurrent,
-        )
-
     with torch.no_grad(), cross_rank_attention_enabled(model):
         for shard in range(state.num_shards):
             # Also at restored boundaries: the start state of a rank's first shard is the previous
@@ -281,14 +279,7 @@ def sharded_prefill(
                 continue
             owner = state.owner_of(shard)
             if owner == state.rank:
-                cache = owner_cache(
-                    state,
-                    shard,
-                    group=group,
-                    kv_hook=kv_writer(shard),
-                    linear_layers=linear_writer,
-                    mla_hook=mla_writer(shard),
-                )
+                cache = owner_prefill_cache(state, shard, group=group)
                 start, end = state.bounds[shard]
                 run_shard_forward(model, ids, cache, start, end)
                 finish_owner(owner, group)

@@ -1,0 +1,371 @@
+"""Sequence-sharded prefill on a layer wavefront: every rank computes at once, same bits.
+
+Legend: L decoder layers, N ranks, r this rank, t a wavefront step, B H R D V as in
+`partial_attention` (R = one shard's queries).
+
+`sharded_prefill` walks global shards in order: the owner of a shard computes it through all
+layers while the other ranks only serve, so N ranks divide memory by N but not time. Cell
+(layer l, shard s) needs only (l - 1, s) and layer l's K/V and linear state of the shards before
+s, so here rank r computes layer l of all its shards at step t = l + r: L + N - 1 steps of
+(its shards × one layer) instead of L · N shard-layers one after another. One step, on every
+rank, with l = t - r:
+
+  A. each owned shard runs layer l up to its attention call (full-attention layers; the K/V
+     are written into the state before the call) or through the layer (Gated DeltaNet),
+  B. round 1: the queries of rank r's shards go to every earlier rank (query-sized, one message
+     per shard and earlier rank); rank r's end-of-range linear state of layer l (if linear) goes
+     to rank r + 1, which starts layer l from it at step t + 1;
+     round 2: every earlier rank answers with the partial (out, lse) of those queries over ALL
+     its positions of layer l (finished: it did layer l at an earlier step);
+  C. each shard finishes layer l: the same merge as `sharded_prefill`'s owner — the N partials in
+     rank order (earlier ranks', its own over its earlier positions, an empty one per later
+     rank), then the causal in-shard part — so the state is bitwise `sharded_prefill`'s.
+
+No rank receives another rank's K/V. Only point-to-point messages between the ranks that need
+them, all posted before any is waited on, each with a tag naming its shard and kind: every rank
+derives the same plan from (t, the layer kinds, the shard ranges), so the exchange cannot
+deadlock and its order is fixed. A rank that dies closes its connections; the others raise out
+of their wait (or time out with the group's timeout) and `run_on_ranks` names it.
+
+How one layer of one shard runs without a per-family decoder driver: each owned shard runs the
+ordinary `run_shard_forward` (transformers' decoder: embeddings, rotary, masks, layer kwargs) in
+its own thread, paused by forward pre-hooks at every decoder layer and inside the attention
+function ("longstraw_wavefront") until this rank's main thread, which does all communication,
+resumes it. The threads are coroutines: exactly one thread of a rank computes at any moment, in
+a fixed order, so the result does not depend on thread timing.
+
+Not covered: GLM-5's MLA + DSA layers (their select-then-attend exchange would need a third
+round per step; `NotImplementedError` names `sharded_prefill`), and resume / `on_shard`
+persistence (a shard is complete only at the last step: `persisted_sharded_prefill` keeps the
+sequential schedule). See docs/scaling.md, "Schedule".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import AttentionInterface, PreTrainedModel
+
+from longstraw.distributed.cross_rank_attention import (
+    CHUNK_TOKENS,
+    COMM,
+    CrossRankAttentionLayer,
+)
+from longstraw.distributed.partial_attention import causal_partial, merge_partials, prefix_partial
+from longstraw.distributed.sharded_prefill import (
+    allocate_sharded_state,
+    broadcast_final_linear_state,
+    owner_prefill_cache,
+)
+from longstraw.distributed.sharded_state import ShardedPrefixState, rank_shard_ranges
+from longstraw.engine.attention import CACHE_KWARG
+from longstraw.engine.prefill import run_shard_forward
+from longstraw.models.adapters import decoder_of
+from longstraw.models.glm import is_glm
+
+ATTENTION_NAME = "longstraw_wavefront"
+# Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind).
+_QUERY, _PARTIAL, _CONV, _RECURRENT = range(4)
+_KINDS = 4
+# Seconds a rank waits for a paused shard thread to join at the end (they are all finished).
+_JOIN_S = 30.0
+
+_current = threading.local()
+
+
+class _Aborted(BaseException):
+    """Raised inside a paused shard thread when the wavefront is abandoned (another error)."""
+
+
+class _ShardThread:
+    """One owned shard's decoder forward, paused at layer boundaries and attention calls.
+
+    Reports to the main thread: ("layer", l) paused before decoder layer l, ("attention",
+    q_s) paused inside layer l's attention with its scaled queries, ("done", None) after the
+    last layer. Exactly one of a rank's threads runs at a time: `resume` waits for the report.
+    """
+
+    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, shard: int, group):
+        self.shard = shard
+        cache = owner_prefill_cache(state, shard, group=group)
+        self._args = (model, state.prompt_ids, cache, *state.bounds[shard])
+        self._resume: queue.Queue = queue.Queue(maxsize=1)
+        self._report: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(
+            target=self._run, name=f"wavefront-shard-{shard}", daemon=True
+        )
+        self.running = False
+
+    # ---- main thread side
+    def start(self) -> tuple[str, object]:
+        self._thread.start()
+        self.running = True
+        return self._wait_report()
+
+    def resume(self, value: object = None) -> tuple[str, object]:
+        self._resume.put(value)
+        return self._wait_report()
+
+    def _wait_report(self) -> tuple[str, object]:
+        kind, payload = self._report.get()
+        if kind == "error":
+            self.running = False
+            raise payload
+        if kind == "done":
+            self.running = False
+        return kind, payload
+
+    def abort(self) -> None:
+        if self.running:
+            self.running = False
+            self._resume.put(_Aborted)
+
+    def join(self) -> None:
+        self._thread.join(timeout=_JOIN_S)
+
+    # ---- shard thread side
+    def _run(self) -> None:
+        _current.shard_thread = self
+        try:
+            # Grad mode is per thread: the prefill keeps no graph (and uses no_grad, not
+            # inference_mode, like every other prefill: replays save views of the state).
+            with torch.no_grad():
+                run_shard_forward(*self._args)
+        except _Aborted:
+            return
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._report.put(("error", exc))
+            return
+        self._report.put(("done", None))
+
+    def pause(self, kind: str, payload: object) -> object:
+        self._report.put((kind, payload))
+        value = self._resume.get()
+        if value is _Aborted:
+            raise _Aborted
+        return value
+
+
+def _pause_before_layer(layer_idx: int):
+    def hook(module, args):
+        shard_thread = getattr(_current, "shard_thread", None)
+        if shard_thread is not None:
+            shard_thread.pause("layer", layer_idx)
+
+    return hook
+
+
+def wavefront_attention(
+    module: torch.nn.Module,
+    query_BHRD: Tensor,
+    key_BKRD: Tensor,
+    value_BKRV: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """`_CrossRankAttention`'s owner-mode forward, with the exchange done by the main thread.
+
+    The partials of earlier ranks arrive through `pause`; this rank's own partial over its
+    earlier positions and the empty partials of later ranks are computed here, so the merge
+    sees the same N + 1 partials in the same order as `sharded_prefill`'s owner.
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    layer = None if cache is None else cache.layers[module.layer_idx]
+    shard_thread = getattr(_current, "shard_thread", None)
+    if not isinstance(layer, CrossRankAttentionLayer) or shard_thread is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} runs only inside wavefront_prefill"
+        )
+    scale = scaling if scaling is not None else query_BHRD.shape[-1] ** -0.5
+    dtype = torch.promote_types(query_BHRD.dtype, torch.float32)
+    q_s = (query_BHRD.to(dtype) * float(scale)).contiguous()
+    earlier: list[tuple[Tensor, Tensor]] = shard_thread.pause("attention", q_s)
+    own = prefix_partial(q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=CHUNK_TOKENS)
+    empty = prefix_partial(
+        q_s, layer.prefix_k_TKD[:0], layer.prefix_v_TKD[:0], chunk_size=CHUNK_TOKENS
+    )
+    world = dist.get_world_size(layer.group)
+    parts = [*earlier, own, *[empty] * (world - len(earlier) - 1)]
+    out_b, lse_b = causal_partial(q_s, key_BKRD, value_BKRV)
+    out_BHRV, _ = merge_partials([p[0] for p in parts] + [out_b], [p[1] for p in parts] + [lse_b])
+    return out_BHRV.to(query_BHRD.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, wavefront_attention)
+
+
+@contextlib.contextmanager
+def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
+    """The attention function and the per-layer pause hooks, for the duration of the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    handles = [
+        layer.register_forward_pre_hook(_pause_before_layer(i))
+        for i, layer in enumerate(decoder_of(model).layers)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        config._attn_implementation = previous
+
+
+class _Exchange:
+    """Point-to-point messages of one round: post every receive and send, then wait for all."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.works: list = []
+
+    def send(self, tensor: Tensor, dst: int, tag: int) -> None:
+        COMM.add(tensor)
+        self.works.append(dist.isend(tensor, group=self.group, group_dst=dst, tag=tag))
+
+    def recv(self, tensor: Tensor, src: int, tag: int) -> Tensor:
+        self.works.append(dist.irecv(tensor, group=self.group, group_src=src, tag=tag))
+        return tensor
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+def wavefront_prefill(
+    model: PreTrainedModel,
+    prompt_ids: Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    group: dist.ProcessGroup | None = None,
+) -> ShardedPrefixState:
+    """This rank's slice of the prompt state of `prompt_ids[:-1]`, bitwise `sharded_prefill`'s
+    (same placement, same bits), computed on the layer wavefront; call on every rank together.
+    """
+    if is_glm(model):
+        raise NotImplementedError(
+            "wavefront_prefill covers K/V and Gated DeltaNet layers; GLM-5's MLA + DSA layers "
+            "prefill with the sequential schedule: use sharded_prefill"
+        )
+    state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
+    spec = state.spec
+    rank, world = state.rank, state.world_size
+    ranges = rank_shard_ranges(state.num_shards, world)
+    full = {} if spec.full_attention is None else spec.full_attention.layer_indices
+    full_slot = {layer: slot for slot, layer in enumerate(full)}
+    linear = {} if spec.linear_attention is None else spec.linear_attention.layer_indices
+    linear_slot = {layer: slot for slot, layer in enumerate(linear)}
+    num_layers = spec.num_layers
+    num_heads = model.config.get_text_config().num_attention_heads
+
+    def layer_of(other: int, step: int) -> int | None:
+        layer = step - other
+        return layer if 0 <= layer < num_layers else None
+
+    def query_shape(shard: int) -> tuple[int, ...]:
+        start, end = state.bounds[shard]
+        return (1, num_heads, end - start, spec.full_attention.head_dim)
+
+    def partial_shape(shard: int) -> tuple[int, ...]:
+        start, end = state.bounds[shard]
+        return (1, num_heads, end - start, spec.full_attention.value_head_dim + 1)
+
+    threads = [_ShardThread(model, state, shard, group) for shard in state.shards]
+    with torch.no_grad(), _wavefront_installed(model):
+        try:
+            for thread in threads:
+                report = thread.start()
+                assert report == ("layer", 0), report
+            for step in range(num_layers + world - 1):
+                mine = layer_of(rank, step)
+                # A: run layer `mine` of every owned shard up to its attention call (or through).
+                queries: dict[int, Tensor] = {}
+                if mine is not None:
+                    for thread in threads:
+                        kind, payload = thread.resume()
+                        if mine in full_slot:
+                            assert kind == "attention", (kind, mine)
+                            if payload.shape != query_shape(thread.shard):
+                                raise RuntimeError(
+                                    f"queries of shape {tuple(payload.shape)}, expected "
+                                    f"{query_shape(thread.shard)}: this family's attention is "
+                                    "not supported by wavefront_prefill; use sharded_prefill"
+                                )
+                            queries[thread.shard] = payload
+                        else:
+                            assert kind in ("layer", "done"), (kind, mine)
+                # B, round 1: queries to earlier ranks; the linear state to the next rank.
+                exchange = _Exchange(group)
+                served: list[tuple[int, int, Tensor]] = []  # (requester, shard, queries)
+                for other in range(rank + 1, world):
+                    layer = layer_of(other, step)
+                    if layer in full_slot:
+                        for shard in ranges[other]:
+                            q = exchange.recv(
+                                torch.empty(query_shape(shard)), other, shard * _KINDS + _QUERY
+                            )
+                            served.append((other, shard, q))
+                if mine in full_slot:
+                    for other in range(rank):
+                        for shard, q in queries.items():
+                            exchange.send(q, other, shard * _KINDS + _QUERY)
+                if mine in linear_slot and rank + 1 < world:
+                    slot = linear_slot[mine]
+                    tag = state.shards[-1] * _KINDS
+                    exchange.send(state.conv[slot, -1].contiguous(), rank + 1, tag + _CONV)
+                    exchange.send(
+                        state.recurrent[slot, -1].contiguous(), rank + 1, tag + _RECURRENT
+                    )
+                previous = None if rank == 0 else layer_of(rank - 1, step)
+                if previous in linear_slot:
+                    slot = linear_slot[previous]
+                    tag = (state.shards[0] - 1) * _KINDS
+                    exchange.recv(state.conv[slot, 0], rank - 1, tag + _CONV)
+                    exchange.recv(state.recurrent[slot, 0], rank - 1, tag + _RECURRENT)
+                exchange.wait()
+                # B, round 2: partials over all of this rank's positions, back to the requesters.
+                answers: dict[tuple[int, int], Tensor] = {}
+                if mine in full_slot:
+                    for other in range(rank):
+                        for shard in state.shards:
+                            buffer = torch.empty(partial_shape(shard))
+                            answers[other, shard] = exchange.recv(
+                                buffer, other, shard * _KINDS + _PARTIAL
+                            )
+                for other, shard, q in served:
+                    slot = full_slot[layer_of(other, step)]
+                    out, lse = prefix_partial(
+                        q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
+                    )
+                    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()
+                    exchange.send(packed, other, shard * _KINDS + _PARTIAL)
+                exchange.wait()
+                # C: finish the attention layers.
+                if mine in full_slot:
+                    for thread in threads:
+                        earlier = [
+                            (
+                                answers[other, thread.shard][..., :-1],
+                                answers[other, thread.shard][..., -1],
+                            )
+                            for other in range(rank)
+                        ]
+                        kind, _ = thread.resume(earlier)
+                        assert kind in ("layer", "done"), (kind, mine)
+            assert not any(thread.running for thread in threads), "a shard did not finish"
+        finally:
+            for thread in threads:
+                thread.abort()
+            for thread in threads:
+                thread.join()
+        broadcast_final_linear_state(state, group)
+    return state

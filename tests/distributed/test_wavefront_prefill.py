@@ -1,0 +1,109 @@
+"""The layer-wavefront prefill gives `sharded_prefill`'s state bit for bit (gloo, CPU).
+
+Cases: P = 22 (21 state tokens) in 2-token shards = 11 shards, split 6 + 5 over 2 ranks and
+4 + 4 + 3 over 3 ranks — the tiny Qwen3.5's conv tail is 3 inputs wide, so every tail spans
+2 shards and the handoff at each rank boundary carries inputs of two shards; and the engine
+tests' P = 200 in 33-token shards (7 shards, the last 1 token, 3 + 2 + 2). Each case is one fork
+launch; the tests read its results.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from _wavefront_workers import die_during_wavefront, wavefront_against_sequential
+
+import longstraw.distributed.sharded_group
+import longstraw.distributed.wavefront_prefill
+import longstraw.models.checkpoint  # noqa: F401
+from longstraw.distributed.launch import RankFailedError, run_on_ranks
+
+START_METHOD = "fork"
+# (family, ranks, prompt length, shard tokens)
+CASES = [
+    ("llama", 2, 22, 2),
+    ("llama", 3, 200, 33),
+    ("qwen3_5", 2, 22, 2),
+    ("qwen3_5", 3, 22, 2),
+    ("qwen3_5", 3, 200, 33),
+    ("qwen3_next", 2, 22, 2),
+]
+
+
+@functools.cache
+def _results(checkpoint: str, world: int, prompt_len: int, shard_tokens: int) -> tuple[dict, ...]:
+    return tuple(
+        run_on_ranks(
+            wavefront_against_sequential,
+            world,
+            checkpoint,
+            prompt_len,
+            shard_tokens,
+            True,
+            timeout_s=240,
+            start_method=START_METHOD,
+        )
+    )
+
+
+@pytest.fixture(params=CASES, ids=[f"{f}-{w}ranks-P{p}-S{s}" for f, w, p, s in CASES])
+def results(request, checkpoint_dir):
+    family, world, prompt_len, shard_tokens = request.param
+    return _results(str(checkpoint_dir(family)), world, prompt_len, shard_tokens)
+
+
+def test_wavefront_prefill_state_is_bitwise_the_sequential_state(results):
+    for rank, r in enumerate(results):
+        for name, field in r["fields"].items():
+            assert field["bitwise"], f"rank {rank} {name}: max_diff {field['max_diff']:.3e}"
+    # Placement: contiguous shard ranges in rank order, every rank owning some (the shapes are
+    # the sequential state's: torch.equal above needs them equal).
+    owned = [s for r in results for s in r["shards"]]
+    assert owned == list(range(len(owned))) and all(r["shards"] for r in results)
+
+
+def test_exact_sweep_on_the_wavefront_state_gives_the_sequential_gradients(results):
+    # `sharded_sweep` recomputes every shard and refuses (StateMismatchError) one that is not
+    # bitwise the stored state; the gradients then equal those from the sequential state.
+    for rank, r in enumerate(results):
+        assert r["logps_bitwise"], f"rank {rank}"
+        assert r["grads_bitwise"], f"rank {rank}: max_diff {r['grads_max_diff']:.3e}"
+        assert r["grads_nonzero"] > 0
+
+
+def test_wavefront_traffic_is_query_sized(results):
+    # Exactly queries, partials and linear end states (formula in `_wavefront_bytes`): no K/V.
+    for rank, r in enumerate(results):
+        assert r["wavefront_bytes"] == r["wavefront_bytes_formula"], f"rank {rank}"
+
+
+@pytest.mark.parametrize(
+    ("family", "world", "dying_rank", "how"),
+    [("qwen3_5", 3, 1, "exit"), ("llama", 2, 0, "exit"), ("qwen3_5", 3, 2, "raise")],
+)
+def test_rank_failing_mid_wavefront_fails_the_launch(
+    checkpoint_dir, family, world, dying_rank, how
+):
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(
+            die_during_wavefront,
+            world,
+            str(checkpoint_dir(family)),
+            dying_rank,
+            how,
+            timeout_s=60,
+            start_method=START_METHOD,
+        )
+    assert info.value.rank == dying_rank
+    if how == "exit":
+        assert info.value.exit_code == 17
+    else:
+        assert "injected failure" in info.value.detail
+
+
+def test_glm_refuses_the_wavefront_and_names_the_sequential_schedule(load_tiny):
+    from longstraw.distributed.wavefront_prefill import wavefront_prefill
+
+    with pytest.raises(NotImplementedError, match="sharded_prefill"):
+        wavefront_prefill(load_tiny("glm_moe_dsa"), list(range(10)), shard_tokens=3)
