@@ -31,7 +31,7 @@ Per exchange the communication is query-sized, never prefix-sized.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,11 @@ from longstraw.models.glm import is_glm
 ATTENTION_NAME = "longstraw_sharded"
 # Prefix keys per chunk of the partial attention (bounds the score block to [B, H, R, 1024]).
 CHUNK_TOKENS = 1024
-# Header ops broadcast by the owner before each exchange.
+# Header ops broadcast by the owner before each exchange (cross_rank_mla adds 3-5).
 OP_FORWARD, OP_BACKWARD, OP_DONE = 0, 1, 2
+# "The gradient slices of parameter `slot` follow" (sweep with sequence-sharded accumulators:
+# `longstraw.distributed.gradient_slices`); the slot field carries the parameter's index.
+OP_GRADIENT_SLICES = 6
 
 
 class CommStats:
@@ -207,12 +210,15 @@ def serve_owner(
     group: dist.ProcessGroup | None = None,
     grad_k_TKD: list[Tensor] | None = None,
     grad_v_TKD: list[Tensor] | None = None,
+    on_gradient_slices: Callable[[int, int], None] | None = None,
 ) -> int:
     """Serve an owner's forward (and backward) until it says done; returns exchanges served.
 
     Lists are indexed by full-attention storage slot: the prefix this rank contributes (all
     of its positions if it is before the owner, none if after) and, for a backward, its
-    cotangent slices.
+    cotangent slices. `on_gradient_slices(owner, index)` answers an `OP_GRADIENT_SLICES`
+    header (the owner's backward hands out parameter `index`'s gradient rows); it is not
+    counted as an attention exchange.
     """
     saved_q: dict[int, Tensor] = {}
     served = 0
@@ -221,6 +227,14 @@ def serve_owner(
         op, slot, batch, heads, length, dim, value_dim = (int(x) for x in header)
         if op == OP_DONE:
             return served
+        if op == OP_GRADIENT_SLICES:
+            if on_gradient_slices is None:
+                raise RuntimeError(
+                    "the owner hands out gradient slices but this rank serves without a "
+                    "receiver: every rank of the group must call the same sweep function"
+                )
+            on_gradient_slices(owner, slot)
+            continue
         served += 1
         if op == OP_FORWARD:
             q_s = _broadcast(torch.empty(batch, heads, length, dim), owner, group)
@@ -242,6 +256,11 @@ def serve_owner(
                 grad_v_TKV=None if grad_v_TKD is None else grad_v_TKD[layer],
             )  # fmt: skip
             _all_reduce(grad_q_s, group)
+
+
+def announce_gradient_slices(index: int, owner: int, group: dist.ProcessGroup | None) -> None:
+    """The owner's header before it scatters the gradient rows of parameter `index`."""
+    _broadcast(_header(OP_GRADIENT_SLICES, (index, 0, 0, 0, 0, 0)), owner, group)
 
 
 def finish_owner(owner: int, group: dist.ProcessGroup | None = None) -> None:

@@ -35,10 +35,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
 from longstraw.engine.group import GradBuffer
 from longstraw.models.adapters import decoder_of
 
 DATA, SEQ = "data", "seq"
+# The flattened ("data", "seq") mesh: global rank order, i.e. d · N_s + s.
+DATA_SEQ = "data_seq"
 
 
 def data_seq_mesh(data: int, seq: int, device_type: str = "cpu") -> DeviceMesh:
@@ -53,16 +56,19 @@ def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> list[FSDPModule]:
     the engine calls the decoder and `lm_head` itself, so a root unit around the whole model
     would never see its forward hook (docs/scaling.md).
     """
+    return _fully_shard_units(model, mesh[DATA])
+
+
+def _fully_shard_units(model: PreTrainedModel, shard_mesh: DeviceMesh) -> list[FSDPModule]:
     if model.config.get_text_config().tie_word_embeddings:
         raise ValueError(
             "shard_model shards embed_tokens and lm_head as separate units; tied embeddings "
             "(tie_word_embeddings=True) would share one parameter between two units"
         )
-    data_mesh = mesh[DATA]
     decoder = decoder_of(model)
     units: list[torch.nn.Module] = [*decoder.layers, decoder.embed_tokens, decoder, model.lm_head]
     for unit in units:
-        fully_shard(unit, mesh=data_mesh, reshard_after_forward=False)
+        fully_shard(unit, mesh=shard_mesh, reshard_after_forward=False)
     modules = [unit for unit in units if isinstance(unit, FSDPModule)]
     for module in modules:
         module.set_requires_gradient_sync(False, recurse=False)
@@ -108,3 +114,60 @@ def shard_gradients_over_data(model: PreTrainedModel, grads: GradBuffer, mesh: D
             local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
         )
         param.grad = grad if param.grad is None else param.grad + grad
+
+
+def shard_model_over_data_and_seq(
+    model: PreTrainedModel, mesh: DeviceMesh
+) -> tuple[list[FSDPModule], DeviceMesh]:
+    """`fully_shard` the model over the FLATTENED ("data", "seq") mesh: rank (d, s) holds chunk
+    d · N_s + s of every parameter's dim 0, and so do its gradient and optimizer state.
+
+    Returns the FSDP modules and the flat mesh. Pair with `sharded_group_gradient_slices(...,
+    data_size=N_d)` and `set_sharded_gradients`: the sequence-sharded accumulators hold exactly
+    the rows that the data reduction turns into these chunks. `unsharded_parameters` then
+    all-gathers over all ranks once per step (every rank takes part, in the same order).
+    """
+    flat = DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=(DATA_SEQ,))
+    return _fully_shard_units(model, flat), flat
+
+
+def slice_layout(mesh: DeviceMesh) -> SliceLayout:
+    """This rank's `SliceLayout` on the ("data", "seq") mesh (what `set_sharded_gradients` expects)."""
+    return SliceLayout(mesh.get_local_rank(SEQ), mesh.size(1), mesh.size(0))
+
+
+def set_sharded_gradients(model: PreTrainedModel, slices: GradSlices, mesh: DeviceMesh) -> int:
+    """Average this rank's gradient slices over "data"; set each parameter's DTensor `.grad` to
+    its FSDP shard (`shard_model_over_data_and_seq`). Returns the bytes handed to collectives.
+
+    Rank (d, s) keeps piece d of the averaged slice: chunk d · N_s + s, FSDP's layout. The
+    reduction is an all_reduce of the slice (1/N_s of the fp32 gradient; gloo has no
+    reduce_scatter for CPU tensors) — a reduce_scatter over "data" would send 1/N_d of that.
+    Call after `unsharded_parameters` has resharded (the parameters are DTensors again).
+    """
+    layout = slices.layout
+    assert layout == slice_layout(mesh), f"slices {layout} do not match the mesh {mesh}"
+    data_group = mesh.get_group(DATA)
+    data_rank = mesh.get_local_rank(DATA)
+    sent = 0
+    for name, param in model.named_parameters():
+        if name not in slices.grads:
+            continue
+        assert isinstance(param, DTensor), (
+            f"{name} is not sharded: call shard_model_over_data_and_seq"
+        )
+        part = slices.grads[name]
+        if layout.data_size > 1:
+            dist.all_reduce(part, group=data_group)
+            part /= layout.data_size
+            sent += part.numel() * part.element_size()
+        pieces = slices.pieces[name]
+        offset = sum(end - start for start, end in pieces[:data_rank])
+        start, end = pieces[data_rank]
+        local = part[offset : offset + end - start].to(param.dtype)
+        assert local.shape == param.to_local().shape, (name, local.shape, param.to_local().shape)
+        grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+        param.grad = grad if param.grad is None else param.grad + grad
+    return sent

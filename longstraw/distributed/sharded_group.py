@@ -23,6 +23,13 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from longstraw.distributed.gradient_slices import (
+    GradSlices,
+    SliceLayout,
+    receive_gradient_slices,
+    slices_drained_into,
+    slices_scattered_from_owner,
+)
 from longstraw.distributed.sharded_replay import (
     sharded_branch_logprobs,
     sharded_sweep,
@@ -53,27 +60,11 @@ def reduce_gradients(
     return sweep
 
 
-def sharded_group_gradients(
-    model: PreTrainedModel,
-    state: ShardedPrefixState,
-    responses: Sequence[torch.Tensor],
-    advantages: torch.Tensor | Sequence[float],
-    loss_config: GRPOConfig,
-    *,
-    prompt_grad: str = "exact",
-    group: dist.ProcessGroup | None = None,
-    data_group: dist.ProcessGroup | None = None,
-    old_logprobs: Sequence[torch.Tensor] | None = None,
-    loss_masks: Sequence[torch.Tensor] | None = None,
-    num_items_in_batch: float | None = None,
-    num_sequences_in_batch: int | None = None,
-) -> tuple[GradBuffer, list[torch.Tensor]]:
-    """(the reduced fp32 gradient — the same on every rank —, per-branch log-probs [G][R_i]).
-
-    Call on every rank of `group` with the same arguments. Mirrors
-    `longstraw.engine.group.accumulate_group_gradients` (same loss weights and order), with
-    `ref_logprobs` not yet plumbed (beta must be 0). `.grad` of the parameters is left untouched.
-    """
+def _branch_inputs(
+    responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+    num_items_in_batch, num_sequences_in_batch,
+):  # fmt: skip
+    """(masks [G], old log-probs [G], loss weights [G], advantages [G]) — checked."""
     if prompt_grad not in ("exact", "detached"):
         raise ValueError(f"prompt_grad must be 'exact' or 'detached', got {prompt_grad!r}")
     if loss_config.beta != 0.0:
@@ -96,6 +87,34 @@ def sharded_group_gradients(
         num_sequences_in_batch=num_sequences_in_batch,
     )
     advantages_G = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    return masks, olds, weights_G, advantages_G
+
+
+def sharded_group_gradients(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    responses: Sequence[torch.Tensor],
+    advantages: torch.Tensor | Sequence[float],
+    loss_config: GRPOConfig,
+    *,
+    prompt_grad: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    data_group: dist.ProcessGroup | None = None,
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    num_items_in_batch: float | None = None,
+    num_sequences_in_batch: int | None = None,
+) -> tuple[GradBuffer, list[torch.Tensor]]:
+    """(the reduced fp32 gradient — the same on every rank —, per-branch log-probs [G][R_i]).
+
+    Call on every rank of `group` with the same arguments. Mirrors
+    `longstraw.engine.group.accumulate_group_gradients` (same loss weights and order), with
+    `ref_logprobs` not yet plumbed (beta must be 0). `.grad` of the parameters is left untouched.
+    """
+    masks, olds, weights_G, advantages_G = _branch_inputs(
+        responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+        num_items_in_batch, num_sequences_in_batch,
+    )  # fmt: skip
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     stashed = {name: p.grad for name, p in params}
     for _, p in params:
@@ -139,3 +158,77 @@ def sharded_group_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
     return reduced, logps
+
+
+def sharded_group_gradient_slices(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    responses: Sequence[torch.Tensor],
+    advantages: torch.Tensor | Sequence[float],
+    loss_config: GRPOConfig,
+    *,
+    prompt_grad: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    data_size: int = 1,
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    num_items_in_batch: float | None = None,
+    num_sequences_in_batch: int | None = None,
+) -> tuple[GradSlices, list[torch.Tensor]]:
+    """`sharded_group_gradients` with sequence-sharded accumulators: (THIS rank's fp32 slices of
+    the group's gradient, per-branch log-probs [G][R_i]).
+
+    The slices of the ranks of `group` partition every parameter's dim-0 rows
+    (`gradient_slices.SliceLayout`; `data_size` = the data replicas they will be averaged over,
+    so that with FSDP over data × seq each rank ends with exactly its DTensor shard,
+    `fsdp.set_sharded_gradients`). Each rank holds one accumulator of about 1/N_s of the fp32
+    gradient instead of two dense ones; branch gradients are sliced where autograd accumulates
+    them (no traffic), sweep gradients are scattered from the shard's owner per parameter.
+    Not reduced over data. `.grad` of the parameters is left untouched.
+    """
+    masks, olds, weights_G, advantages_G = _branch_inputs(
+        responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+        num_items_in_batch, num_sequences_in_batch,
+    )  # fmt: skip
+    layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    stashed = {name: p.grad for name, p in params}
+    for _, p in params:
+        p.grad = None
+    slices = GradSlices(model, layout)
+    cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
+    logps = []
+    try:
+        with deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext():
+            with slices_drained_into(params, slices):
+                for i, response in enumerate(responses):
+                    logp, branch = sharded_branch_logprobs(
+                        model,
+                        state,
+                        response,
+                        group=group,
+                        temperature=loss_config.temperature,
+                        cotangent=cotangent,
+                    )
+                    old = None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype)
+                    loss, _ = branch_loss(
+                        logp, old, float(advantages_G[i]), weights_G[i], loss_config, None, masks[i]
+                    )
+                    loss.backward()
+                    if cotangent is not None:
+                        branch.add_leaf_grads_into(cotangent)
+                    logps.append(logp.detach())
+                    del logp, loss, branch
+            if cotangent is not None:
+                with slices_scattered_from_owner(params, slices, group=group):
+                    sharded_sweep(
+                        model,
+                        state,
+                        cotangent,
+                        group=group,
+                        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
+                    )
+    finally:
+        for name, p in params:
+            p.grad = stashed[name]
+    return slices, logps

@@ -1,0 +1,222 @@
+"""Rank functions for the sequence-sharded gradient accumulators (`gradient_slices`).
+
+Each returns plain numbers so the parent process can assert on them.
+"""
+
+from __future__ import annotations
+
+import torch
+from _workers import RESPONSE_LENS, SEED, _group
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Every fp32 accumulator starts zeroed: these are the ops that allocate one.
+_ZERO_FILLED = (
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.new_zeros.default,
+)
+
+
+class ZeroFilledBytes(TorchDispatchMode):
+    """Bytes of fp32 tensors allocated zero-filled inside the block (accumulators, the prompt
+    cotangent, ...): the dense path's two `GradBuffer`s show up as 2 × 4 B × parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ZERO_FILLED and out.dtype == torch.float32:
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def _slice_errors(slices, dense) -> dict:
+    """This rank's slices vs the same rows of the dense gradient: worst max_diff / max|ref| and
+    whether every slice is bitwise equal."""
+    worst, bitwise = 0.0, True
+    for name, got in slices.grads.items():
+        want = slices.rows_of(name, dense.grads[name])
+        if got.numel():
+            scale = dense.grads[name].abs().max().clamp(min=1e-30)
+            worst = max(worst, ((got - want).abs().max() / scale).item())
+        bitwise &= torch.equal(got, want)
+    return {"max_rel": worst, "bitwise": bitwise}
+
+
+def slices_against_dense(
+    rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int
+):
+    """Seq-sharded slices vs the dense `sharded_group_gradients` (both modes), accumulator
+    bytes (declared and probed) and the sweep's scatter traffic."""
+    from longstraw.distributed.sharded_group import (
+        sharded_group_gradient_slices,
+        sharded_group_gradients,
+    )
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
+    config = GRPOConfig(beta=0.0)
+    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out: dict = {
+        "param_bytes_fp32": 4 * sum(p.numel() for p in params.values()),
+        "dim0": {n: p.shape[0] for n, p in params.items()},
+    }
+    for mode in ("detached", "exact"):
+        with ZeroFilledBytes() as dense_probe:
+            dense, dense_logps = sharded_group_gradients(
+                model, state, responses, advantages, config, prompt_grad=mode
+            )
+        with ZeroFilledBytes() as sliced_probe:
+            slices, logps = sharded_group_gradient_slices(
+                model, state, responses, advantages, config, prompt_grad=mode
+            )
+        out[mode] = {
+            **_slice_errors(slices, dense),
+            "rows": {n: g.shape[0] for n, g in slices.grads.items()},
+            "logps_equal": all(torch.equal(a, b) for a, b in zip(logps, dense_logps, strict=True)),
+            "accumulator_bytes": slices.nbytes(),
+            "dense_zero_filled_bytes": dense_probe.bytes,
+            "sliced_zero_filled_bytes": sliced_probe.bytes,
+            "scatter_bytes_sent": slices.bytes_sent,
+            "scatter_bytes_received": slices.bytes_received,
+            "grads_untouched": all(p.grad is None for p in params.values()),
+        }
+    return out
+
+
+def fsdp_sliced_step(
+    rank: int,
+    world: int,
+    checkpoint: str,
+    data: int,
+    prompt_len: int,
+    shard_tokens: int,
+    prompt_grad: str,
+):
+    """FSDP over the flattened (data, seq) mesh with sequence-sharded accumulators: DTensor grad
+    shards vs the dense path's data-averaged gradient and the single-process engine; optimizer
+    steps on the shards vs the single-process step and vs dense parameters."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from longstraw.distributed.fsdp import (
+        DATA,
+        SEQ,
+        data_seq_mesh,
+        set_sharded_gradients,
+        shard_model_over_data_and_seq,
+        unsharded_parameters,
+    )
+    from longstraw.distributed.sharded_group import (
+        sharded_group_gradient_slices,
+        sharded_group_gradients,
+    )
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    seq = world // data
+    config = GRPOConfig(beta=0.0)
+    lr = 1e-3
+
+    def groups(vocab: int):
+        out = []
+        for d in range(data):
+            gen = torch.Generator().manual_seed(SEED + d)
+            prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+            responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
+            out.append((prompt, responses, torch.tensor([0.7, -1.1]) * (d + 1)))
+        return out
+
+    reference, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    reference.eval()
+    batches = groups(reference.config.get_text_config().vocab_size)
+    want = GradBuffer(reference)
+    for prompt, responses, advantages in batches:
+        accumulate_group_gradients(
+            reference, prompt, responses, advantages, config,
+            shard_tokens=shard_tokens, prompt_grad=prompt_grad, grad_buffer=want,
+        )  # fmt: skip
+    for grad in want.grads.values():
+        grad /= data
+    want.into_param_grads(reference)
+    torch.optim.SGD(reference.parameters(), lr=lr).step()
+
+    mesh = data_seq_mesh(data, seq)
+    seq_group = mesh.get_group(SEQ)
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    modules, _ = shard_model_over_data_and_seq(model, mesh)
+    prompt, responses, advantages = batches[rank // seq]
+    with unsharded_parameters(modules):
+        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens, group=seq_group)
+        # The dense path, averaged over data: the reference the shards must equal.
+        dense, _ = sharded_group_gradients(
+            model, state, responses, advantages, config, prompt_grad=prompt_grad,
+            group=seq_group, data_group=mesh.get_group(DATA),
+        )  # fmt: skip
+        with ZeroFilledBytes() as probe:
+            slices, _ = sharded_group_gradient_slices(
+                model, state, responses, advantages, config, prompt_grad=prompt_grad,
+                group=seq_group, data_size=data,
+            )  # fmt: skip
+    accumulator_bytes = slices.nbytes()
+    data_reduce_bytes = set_sharded_gradients(model, slices, mesh)
+    params = dict(model.named_parameters())
+    shard_max_rel = 0.0
+    for name, g in dense.grads.items():
+        chunks = torch.chunk(g, world)
+        expected = chunks[rank] if rank < len(chunks) else g[:0]
+        local = params[name].grad.to_local()
+        assert local.shape == expected.shape, (name, local.shape, expected.shape)
+        if local.numel():
+            shard_max_rel = max(
+                shard_max_rel, ((local - expected).abs().max() / g.abs().max()).item()
+            )
+    out = {
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "local_numel": sum(p.to_local().numel() for p in params.values()),
+        "total_numel": sum(p.numel() for p in reference.parameters()),
+        "shard_vs_dense_max_rel": shard_max_rel,
+        "grad": max(
+            ((params[n].grad.full_tensor() - g).abs().max() / g.abs().max()).item()
+            for n, g in want.grads.items()
+        ),
+        "accumulator_bytes": accumulator_bytes,
+        "zero_filled_bytes": probe.bytes,
+        "scatter_bytes_sent": slices.bytes_sent,
+        "data_reduce_bytes": data_reduce_bytes,
+        "flat_rank": dist.get_rank(),
+    }
+    dense_model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    for name, p in dense_model.named_parameters():
+        p.grad = params[name].grad.full_tensor()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    torch.optim.SGD(dense_model.parameters(), lr=lr).step()
+    ref_params = dict(reference.named_parameters())
+    eps = torch.finfo(torch.float32).eps
+    out["sgd_vs_single_process"] = max(
+        (
+            (params[n].full_tensor() - p).abs().max()
+            / (lr * 1e-5 * want.grads[n].abs().max() + 2 * eps * p.abs().max())
+        ).item()
+        for n, p in ref_params.items()
+    )
+    adam = torch.optim.AdamW(model.parameters(), lr=lr)
+    adam.step()
+    torch.optim.AdamW(dense_model.parameters(), lr=lr).step()
+    out["adam_state_local_numel"] = sum(
+        s["exp_avg"].to_local().numel() for s in adam.state.values()
+    )
+    out["steps_vs_dense_same_grad"] = max(
+        (params[n].full_tensor() - p).abs().max().item() for n, p in dense_model.named_parameters()
+    )
+    return out
