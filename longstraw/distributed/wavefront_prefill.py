@@ -241,6 +241,119 @@ class _Exchange:
         self.works = []
 
 
+class _Plan:
+    """What every rank derives identically: which layer each rank runs at a step, message shapes."""
+
+    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState) -> None:
+        spec = state.spec
+        self.state = state
+        self.ranges = rank_shard_ranges(state.num_shards, state.world_size)
+        self.num_layers = spec.num_layers
+        fa, la = spec.full_attention, spec.linear_attention
+        self.full_slot = {} if fa is None else {i: s for s, i in enumerate(fa.layer_indices)}
+        self.linear_slot = {} if la is None else {i: s for s, i in enumerate(la.layer_indices)}
+        heads = model.config.get_text_config().num_attention_heads
+        # Queries and partials travel in fp32 (the attention's compute dtype for fp32/bf16).
+        self.query_dims = None if fa is None else (heads, fa.head_dim)
+        self.partial_dims = None if fa is None else (heads, fa.value_head_dim + 1)
+        self.device = model.device
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_layers + self.state.world_size - 1
+
+    def layer_of(self, rank: int, step: int) -> int | None:
+        layer = step - rank
+        return layer if 0 <= layer < self.num_layers else None
+
+    def buffer(self, shard: int, dims: tuple[int, int]) -> Tensor:
+        start, end = self.state.bounds[shard]
+        return torch.empty(1, dims[0], end - start, dims[1], device=self.device)
+
+
+def _run_layer(threads: list[_ShardThread], layer: int, plan: _Plan) -> dict[int, Tensor]:
+    """Phase A: every owned shard runs `layer` up to its attention call (queries returned per
+    shard) or, for a Gated DeltaNet layer, through it."""
+    queries: dict[int, Tensor] = {}
+    for thread in threads:
+        kind, payload = thread.resume()
+        if layer not in plan.full_slot:
+            assert kind in ("layer", "done"), (kind, layer)
+            continue
+        assert kind == "attention", (kind, layer)
+        expected = plan.buffer(thread.shard, plan.query_dims).shape
+        if payload.shape != expected:
+            raise RuntimeError(
+                f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
+                "family's attention is not supported by wavefront_prefill; use sharded_prefill"
+            )
+        queries[thread.shard] = payload
+    return queries
+
+
+def _exchange(
+    plan: _Plan, step: int, queries: dict[int, Tensor], group
+) -> dict[tuple[int, int], Tensor]:
+    """Phase B: this rank's part of the step's two rounds; returns the packed partials of earlier
+    ranks for this rank's queries, keyed (earlier rank, shard)."""
+    state = plan.state
+    rank, world = state.rank, state.world_size
+    mine = plan.layer_of(rank, step)
+    # Round 1: queries to earlier ranks, later ranks' queries in; the linear end state onward.
+    messages = _Exchange(group)
+    served: list[tuple[int, int, Tensor]] = []  # (requester, shard, queries)
+    for other in range(rank + 1, world):
+        if plan.layer_of(other, step) in plan.full_slot:
+            for shard in plan.ranges[other]:
+                q = messages.recv(plan.buffer(shard, plan.query_dims), other, _tag(shard, _QUERY))
+                served.append((other, shard, q))
+    if mine in plan.full_slot:
+        for other in range(rank):
+            for shard, q in queries.items():
+                messages.send(q, other, _tag(shard, _QUERY))
+    if mine in plan.linear_slot and rank + 1 < world:
+        slot, last = plan.linear_slot[mine], state.shards[-1]
+        messages.send(state.conv[slot, -1].contiguous(), rank + 1, _tag(last, _CONV))
+        messages.send(state.recurrent[slot, -1].contiguous(), rank + 1, _tag(last, _RECURRENT))
+    previous = None if rank == 0 else plan.layer_of(rank - 1, step)
+    if previous in plan.linear_slot:
+        # Layer `previous` of this rank's first shard starts from it at the next step.
+        slot, last = plan.linear_slot[previous], state.shards[0] - 1
+        messages.recv(state.conv[slot, 0], rank - 1, _tag(last, _CONV))
+        messages.recv(state.recurrent[slot, 0], rank - 1, _tag(last, _RECURRENT))
+    messages.wait()
+    # Round 2: partials over ALL of this rank's positions of the requester's layer, back.
+    answers: dict[tuple[int, int], Tensor] = {}
+    if mine in plan.full_slot:
+        for other in range(rank):
+            for shard in state.shards:
+                buffer = plan.buffer(shard, plan.partial_dims)
+                answers[other, shard] = messages.recv(buffer, other, _tag(shard, _PARTIAL))
+    for other, shard, q in served:
+        slot = plan.full_slot[plan.layer_of(other, step)]
+        out, lse = prefix_partial(q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS)
+        # `_gather_partials`' packing: the requester unpacks views, as the sequential owner does.
+        messages.send(
+            torch.cat([out, lse[..., None]], dim=-1).contiguous(), other, _tag(shard, _PARTIAL)
+        )
+    messages.wait()
+    return answers
+
+
+def _finish_attention(
+    threads: list[_ShardThread], answers: dict[tuple[int, int], Tensor], rank: int
+) -> None:
+    """Phase C: every owned shard merges the earlier ranks' partials and finishes its layer."""
+    for thread in threads:
+        packed = [answers[other, thread.shard] for other in range(rank)]
+        kind, _ = thread.resume([(p[..., :-1], p[..., -1]) for p in packed])
+        assert kind in ("layer", "done"), kind
+
+
+def _tag(shard: int, kind: int) -> int:
+    return shard * _KINDS + kind
+
+
 def wavefront_prefill(
     model: PreTrainedModel,
     prompt_ids: Tensor | Sequence[int],
@@ -257,110 +370,19 @@ def wavefront_prefill(
             "prefill with the sequential schedule: use sharded_prefill"
         )
     state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
-    spec = state.spec
-    rank, world = state.rank, state.world_size
-    ranges = rank_shard_ranges(state.num_shards, world)
-    full = {} if spec.full_attention is None else spec.full_attention.layer_indices
-    full_slot = {layer: slot for slot, layer in enumerate(full)}
-    linear = {} if spec.linear_attention is None else spec.linear_attention.layer_indices
-    linear_slot = {layer: slot for slot, layer in enumerate(linear)}
-    num_layers = spec.num_layers
-    num_heads = model.config.get_text_config().num_attention_heads
-
-    def layer_of(other: int, step: int) -> int | None:
-        layer = step - other
-        return layer if 0 <= layer < num_layers else None
-
-    def query_shape(shard: int) -> tuple[int, ...]:
-        start, end = state.bounds[shard]
-        return (1, num_heads, end - start, spec.full_attention.head_dim)
-
-    def partial_shape(shard: int) -> tuple[int, ...]:
-        start, end = state.bounds[shard]
-        return (1, num_heads, end - start, spec.full_attention.value_head_dim + 1)
-
+    plan = _Plan(model, state)
     threads = [_ShardThread(model, state, shard, group) for shard in state.shards]
     with torch.no_grad(), _wavefront_installed(model):
         try:
             for thread in threads:
                 report = thread.start()
                 assert report == ("layer", 0), report
-            for step in range(num_layers + world - 1):
-                mine = layer_of(rank, step)
-                # A: run layer `mine` of every owned shard up to its attention call (or through).
-                queries: dict[int, Tensor] = {}
-                if mine is not None:
-                    for thread in threads:
-                        kind, payload = thread.resume()
-                        if mine in full_slot:
-                            assert kind == "attention", (kind, mine)
-                            if payload.shape != query_shape(thread.shard):
-                                raise RuntimeError(
-                                    f"queries of shape {tuple(payload.shape)}, expected "
-                                    f"{query_shape(thread.shard)}: this family's attention is "
-                                    "not supported by wavefront_prefill; use sharded_prefill"
-                                )
-                            queries[thread.shard] = payload
-                        else:
-                            assert kind in ("layer", "done"), (kind, mine)
-                # B, round 1: queries to earlier ranks; the linear state to the next rank.
-                exchange = _Exchange(group)
-                served: list[tuple[int, int, Tensor]] = []  # (requester, shard, queries)
-                for other in range(rank + 1, world):
-                    layer = layer_of(other, step)
-                    if layer in full_slot:
-                        for shard in ranges[other]:
-                            q = exchange.recv(
-                                torch.empty(query_shape(shard)), other, shard * _KINDS + _QUERY
-                            )
-                            served.append((other, shard, q))
-                if mine in full_slot:
-                    for other in range(rank):
-                        for shard, q in queries.items():
-                            exchange.send(q, other, shard * _KINDS + _QUERY)
-                if mine in linear_slot and rank + 1 < world:
-                    slot = linear_slot[mine]
-                    tag = state.shards[-1] * _KINDS
-                    exchange.send(state.conv[slot, -1].contiguous(), rank + 1, tag + _CONV)
-                    exchange.send(
-                        state.recurrent[slot, -1].contiguous(), rank + 1, tag + _RECURRENT
-                    )
-                previous = None if rank == 0 else layer_of(rank - 1, step)
-                if previous in linear_slot:
-                    slot = linear_slot[previous]
-                    tag = (state.shards[0] - 1) * _KINDS
-                    exchange.recv(state.conv[slot, 0], rank - 1, tag + _CONV)
-                    exchange.recv(state.recurrent[slot, 0], rank - 1, tag + _RECURRENT)
-                exchange.wait()
-                # B, round 2: partials over all of this rank's positions, back to the requesters.
-                answers: dict[tuple[int, int], Tensor] = {}
-                if mine in full_slot:
-                    for other in range(rank):
-                        for shard in state.shards:
-                            buffer = torch.empty(partial_shape(shard))
-                            answers[other, shard] = exchange.recv(
-                                buffer, other, shard * _KINDS + _PARTIAL
-                            )
-                for other, shard, q in served:
-                    slot = full_slot[layer_of(other, step)]
-                    out, lse = prefix_partial(
-                        q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
-                    )
-                    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()
-                    exchange.send(packed, other, shard * _KINDS + _PARTIAL)
-                exchange.wait()
-                # C: finish the attention layers.
-                if mine in full_slot:
-                    for thread in threads:
-                        earlier = [
-                            (
-                                answers[other, thread.shard][..., :-1],
-                                answers[other, thread.shard][..., -1],
-                            )
-                            for other in range(rank)
-                        ]
-                        kind, _ = thread.resume(earlier)
-                        assert kind in ("layer", "done"), (kind, mine)
+            for step in range(plan.num_steps):
+                layer = plan.layer_of(state.rank, step)
+                queries = {} if layer is None else _run_layer(threads, layer, plan)
+                answers = _exchange(plan, step, queries, group)
+                if layer in plan.full_slot:
+                    _finish_attention(threads, answers, state.rank)
             assert not any(thread.running for thread in threads), "a shard did not finish"
         finally:
             for thread in threads:
