@@ -21,6 +21,12 @@ reduce-scatter cannot express. So one group step is:
 The data-parallel reduction is an all_reduce of the dense fp32 gradient followed by taking the
 local slice (gloo has no reduce_scatter for uneven CPU tensors); on NCCL a reduce_scatter halves
 that traffic. See docs/scaling.md for what was measured.
+
+Sequence-sharded accumulators (no dense fp32 gradient on any rank during the step):
+`shard_model_over_data_and_seq` shards parameters, gradients and optimizer state over the
+flattened mesh (rank (d, s) holds chunk d · N_s + s); `sharded_group_gradient_slices(...,
+group=seq, data_size=N_d)` accumulates exactly the rows that data ranks (·, s) will own; then
+`set_sharded_gradients` all-reduces those slices over "data" and sets each DTensor `.grad`.
 """
 
 from __future__ import annotations
@@ -143,7 +149,8 @@ def set_sharded_gradients(model: PreTrainedModel, slices: GradSlices, mesh: Devi
     Rank (d, s) keeps piece d of the averaged slice: chunk d · N_s + s, FSDP's layout. The
     reduction is an all_reduce of the slice (1/N_s of the fp32 gradient; gloo has no
     reduce_scatter for CPU tensors) — a reduce_scatter over "data" would send 1/N_d of that.
-    Call after `unsharded_parameters` has resharded (the parameters are DTensors again).
+    Call after `unsharded_parameters` has resharded (the parameters are DTensors again). The
+    slices are averaged in place (consumed).
     """
     layout = slices.layout
     assert layout == slice_layout(mesh), f"slices {layout} do not match the mesh {mesh}"

@@ -12,6 +12,11 @@ Which rank's gradient is what (and so what the reduction must do):
 
 So one all_reduce(sum) over the sequence group of (branch if rank 0 else 0) + sweep gives every
 rank the group's gradient; one all_reduce over the data group divided by its size averages.
+
+`sharded_group_gradients` (the reference) holds two dense fp32 accumulators per rank;
+`sharded_group_gradient_slices` holds one accumulator of about 1/N_s: each rank keeps only its
+dim-0 rows of every parameter's gradient (`gradient_slices`), the branch counted once because the
+rows partition, the sweep's gradient scattered from each shard's owner parameter by parameter.
 """
 
 from __future__ import annotations

@@ -46,10 +46,15 @@ def _slice_errors(slices, dense) -> dict:
 
 
 def slices_against_dense(
-    rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int
+    rank: int,
+    world: int,
+    checkpoint: str,
+    prompt_len: int,
+    shard_tokens: int,
+    dtype: str = "float32",
 ):
     """Seq-sharded slices vs the dense `sharded_group_gradients` (both modes), accumulator
-    bytes (declared and probed) and the sweep's scatter traffic."""
+    bytes (declared and probed) and the sweep's scatter traffic; `dtype` of the model."""
     from longstraw.distributed.sharded_group import (
         sharded_group_gradient_slices,
         sharded_group_gradients,
@@ -58,7 +63,7 @@ def slices_against_dense(
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model, _, _ = load_checkpoint(checkpoint, dtype=getattr(torch, dtype))
     model.eval()
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     config = GRPOConfig(beta=0.0)

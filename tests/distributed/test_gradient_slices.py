@@ -29,7 +29,7 @@ EXACT_MAX_REL = 1e-6
 
 
 @functools.cache
-def _results(checkpoint: str, world: int) -> tuple[dict, ...]:
+def _results(checkpoint: str, world: int, dtype: str = "float32") -> tuple[dict, ...]:
     return tuple(
         run_on_ranks(
             slices_against_dense,
@@ -37,6 +37,7 @@ def _results(checkpoint: str, world: int) -> tuple[dict, ...]:
             checkpoint,
             PROMPT_LEN,
             SHARD_TOKENS,
+            dtype,
             timeout_s=240,
             start_method="fork",
         )
@@ -108,3 +109,15 @@ def test_sweep_scatters_only_in_exact_mode_and_every_byte_sent_is_received(resul
     sent = sum(r["exact"]["scatter_bytes_sent"] for r in results)
     assert sent > 0
     assert sent == sum(r["exact"]["scatter_bytes_received"] for r in results)
+
+
+def test_bf16_model_slices_match_and_the_sweep_scatters_bf16(checkpoint_dir):
+    # A bf16 model: gradients are bf16, accumulators fp32 in both paths; the scatter carries the
+    # parameter's dtype, so the sweep sends exactly half the fp32 model's bytes.
+    bf16 = _results(str(checkpoint_dir("llama")), 2, "bfloat16")
+    fp32 = _results(str(checkpoint_dir("llama")), 2)
+    for rank, (r, f) in enumerate(zip(bf16, fp32, strict=True)):
+        assert r["detached"]["bitwise"], f"rank {rank}: {r['detached']['max_rel']:.3e}"
+        assert r["exact"]["max_rel"] <= EXACT_MAX_REL, f"rank {rank}: {r['exact']['max_rel']:.3e}"
+        assert r["exact"]["accumulator_bytes"] == f["exact"]["accumulator_bytes"]
+        assert 2 * r["exact"]["scatter_bytes_sent"] == f["exact"]["scatter_bytes_sent"]
