@@ -97,7 +97,6 @@ class GradSlices:
         for name, p in params:
             if p.dim() == 0:
                 raise ValueError(f"parameter {name} is 0-dimensional; slices are dim-0 rows")
-        self.names = [name for name, _ in params]
         self.pieces = {name: layout.pieces(p.shape[0]) for name, p in params}
         self.grads: dict[str, torch.Tensor] = {
             name: torch.zeros(
@@ -148,7 +147,8 @@ def slices_drained_into(
 def _scatter_parts(
     slices: GradSlices, name: str, dim0: int, full: torch.Tensor | None, owner: int, group
 ) -> torch.Tensor:
-    """The owner's rows for every rank, zero-padded to one size, scattered; returns this rank's."""
+    """The owner's rows for every rank, padded to one size (`padded_rows`), scattered; returns
+    this rank's part (its first `layout.rows` rows are its own, the rest is padding)."""
     layout = slices.layout
     rows = layout.padded_rows(dim0)
     shape = (rows, *slices.grads[name].shape[1:])

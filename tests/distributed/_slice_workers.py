@@ -225,3 +225,35 @@ def fsdp_sliced_step(
         (params[n].full_tensor() - p).abs().max().item() for n, p in dense_model.named_parameters()
     )
     return out
+
+
+def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int):
+    """GLM-5: detached slices vs the dense path; the exact sweep is refused up front."""
+    from longstraw.distributed.sharded_group import (
+        sharded_group_gradient_slices,
+        sharded_group_gradients,
+    )
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
+    config = GRPOConfig(beta=0.0)
+    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    dense, _ = sharded_group_gradients(
+        model, state, responses, advantages, config, prompt_grad="detached"
+    )
+    slices, _ = sharded_group_gradient_slices(
+        model, state, responses, advantages, config, prompt_grad="detached"
+    )
+    out = _slice_errors(slices, dense)
+    try:
+        sharded_group_gradient_slices(
+            model, state, responses, advantages, config, prompt_grad="exact"
+        )
+        out["exact_refused"] = ""
+    except ValueError as error:
+        out["exact_refused"] = str(error)
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _slice_workers import slices_against_dense
+from _slice_workers import glm_slices, slices_against_dense
 
 import longstraw.distributed.sharded_group
 import longstraw.engine.group
@@ -121,3 +121,20 @@ def test_bf16_model_slices_match_and_the_sweep_scatters_bf16(checkpoint_dir):
         assert r["exact"]["max_rel"] <= EXACT_MAX_REL, f"rank {rank}: {r['exact']['max_rel']:.3e}"
         assert r["exact"]["accumulator_bytes"] == f["exact"]["accumulator_bytes"]
         assert 2 * r["exact"]["scatter_bytes_sent"] == f["exact"]["scatter_bytes_sent"]
+
+
+def test_glm_detached_slices_are_bitwise_the_dense_rows_and_exact_is_refused(checkpoint_dir):
+    # GLM-5 (P = 100 in 13-token shards over 2 ranks, as test_sharded_glm.py): branch slicing
+    # needs nothing from the MLA serve loop; the exact sweep's would (not wired: refused).
+    results = run_on_ranks(
+        glm_slices,
+        2,
+        str(checkpoint_dir("glm_moe_dsa")),
+        100,
+        13,
+        timeout_s=240,
+        start_method="fork",
+    )
+    for rank, r in enumerate(results):
+        assert r["bitwise"], f"rank {rank}: {r['max_rel']:.3e}"
+        assert "prompt_grad='detached'" in r["exact_refused"], r
