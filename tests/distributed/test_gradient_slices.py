@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from _slice_workers import glm_slices, slices_against_dense
 
 import longstraw.distributed.sharded_group
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
+from longstraw.distributed.gradient_slices import SliceLayout
 from longstraw.distributed.launch import run_on_ranks
 
 PROMPT_LEN, SHARD_TOKENS = 200, 33
@@ -138,3 +140,22 @@ def test_glm_detached_slices_are_bitwise_the_dense_rows_and_exact_is_refused(che
     for rank, r in enumerate(results):
         assert r["bitwise"], f"rank {rank}: {r['max_rel']:.3e}"
         assert "prompt_grad='detached'" in r["exact_refused"], r
+
+
+@pytest.mark.parametrize("dim0", [1, 4, 32, 63, 64])
+@pytest.mark.parametrize(("data", "seq"), [(1, 2), (1, 3), (2, 2), (2, 3), (3, 2)])
+def test_slice_layout_pieces_are_fsdp_chunks_of_the_flattened_mesh(dim0, data, seq):
+    rows = torch.arange(dim0)
+    chunks = torch.chunk(rows, data * seq)
+    covered = []
+    for s in range(seq):
+        layout = SliceLayout(seq_rank=s, seq_size=seq, data_size=data)
+        pieces = layout.pieces(dim0)
+        assert layout.rows(dim0) <= layout.padded_rows(dim0)
+        for d, (start, end) in enumerate(pieces):
+            # Piece d of seq rank s is FSDP's chunk of global rank d · N_s + s (or empty).
+            g = d * seq + s
+            want = chunks[g] if g < len(chunks) else rows[:0]
+            assert torch.equal(rows[start:end], want), (s, d, start, end)
+            covered.extend(range(start, end))
+    assert sorted(covered) == list(range(dim0))
