@@ -8,7 +8,10 @@ file/socket I/O release the GIL), so hashing hides behind I/O.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import io
+import itertools
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,7 @@ import fsspec
 from longstraw.schemas.storage import ChunkDigest
 from longstraw.storage.codec import chunk_key, sha256_hex
 from longstraw.storage.errors import ChunkChecksumError
-from longstraw.storage.paths import is_local
+from longstraw.storage.paths import is_local, is_s3
 
 # sha256 runs at ~2 GiB/s per core here (SHA-NI) with the GIL released, so hashing is CPU-bound
 # and parallel: 4 workers keep 2 cores hashing while others wait on I/O, and keep up to 4
@@ -60,14 +63,64 @@ def _write_object(
             for piece in payload.pieces:
                 f.write(piece)
                 h.update(piece)
+    elif is_s3(fs):
+        # One PUT per chunk (S3 objects are written whole), its body streamed from the pieces.
+        # Joining them into one bytes object first cost 2.0 client CPU-s per GiB PUT on loopback
+        # S3, streaming 1.3: a fresh 64 MiB buffer per chunk is faulted in page by page (0.53 s
+        # per GiB for the join alone, against 0.09 s copying into a reused buffer).
+        for piece in payload.pieces:
+            h.update(piece)
+        bucket, key, _ = fs.split_path(path)
+        body = io.BufferedReader(PiecesReader(payload.pieces), buffer_size=_PUT_READ_BYTES)
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, ContentLength=payload.nbytes)
+        fs.invalidate_cache(path)
     else:
-        # One PUT per chunk (S3 objects are written whole) from one bytes object: botocore takes
-        # bytes or bytearray, and a bytearray body cost 0.1 s more client CPU per 64 MiB chunk
-        # than bytes (copied again inside), against 28 ms for the join.
         data = b"".join(payload.pieces)
         h.update(data)
         fs.pipe_file(path, data)
     return h.hexdigest(), object_sizes(fs, [path])[0]
+
+
+_PUT_READ_BYTES = 1 << 20
+
+
+class PiecesReader(io.RawIOBase):
+    """A seekable read-only file over a chunk's pieces in order (botocore rewinds a body to
+    retry a request), so a PUT streams the chunk without assembling it."""
+
+    def __init__(self, pieces: list[memoryview]):
+        self._pieces = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in pieces]
+        self._starts = list(itertools.accumulate((len(p) for p in self._pieces), initial=0))
+        self._size = self._starts[-1]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = 0
+        while n < len(out) and self._pos < self._size:
+            i = bisect.bisect_right(self._starts, self._pos) - 1
+            offset = self._pos - self._starts[i]
+            take = min(len(out) - n, len(self._pieces[i]) - offset)
+            out[n : n + take] = self._pieces[i][offset : offset + take]
+            n += take
+            self._pos += take
+        return n
 
 
 def write_chunks(
