@@ -228,12 +228,7 @@ def serve_owner(
         if op == OP_DONE:
             return served
         if op == OP_GRADIENT_SLICES:
-            if on_gradient_slices is None:
-                raise RuntimeError(
-                    "the owner hands out gradient slices but this rank serves without a "
-                    "receiver: every rank of the group must call the same sweep function"
-                )
-            on_gradient_slices(owner, slot)
+            answer_gradient_slices(on_gradient_slices, owner, slot)
             continue
         served += 1
         if op == OP_FORWARD:
@@ -256,6 +251,18 @@ def serve_owner(
                 grad_v_TKV=None if grad_v_TKD is None else grad_v_TKD[layer],
             )  # fmt: skip
             _all_reduce(grad_q_s, group)
+
+
+def answer_gradient_slices(
+    on_gradient_slices: Callable[[int, int], None] | None, owner: int, index: int
+) -> None:
+    """A server's side of an `OP_GRADIENT_SLICES` header (every serve loop shares it)."""
+    if on_gradient_slices is None:
+        raise RuntimeError(
+            "the owner hands out gradient slices but this rank serves without a "
+            "receiver: every rank of the group must call the same sweep function"
+        )
+    on_gradient_slices(owner, index)
 
 
 def announce_gradient_slices(index: int, owner: int, group: dist.ProcessGroup | None) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,11 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttent
 from longstraw.distributed.cross_rank_attention import (
     COMM,
     OP_DONE,
+    OP_GRADIENT_SLICES,
     _all_reduce,
     _broadcast,
     _header,
+    answer_gradient_slices,
 )
 from longstraw.distributed.partial_attention import merge_partials
 from longstraw.engine.cache import PrefixMlaLayer
@@ -419,12 +421,14 @@ def serve_mla_owner(
     group: dist.ProcessGroup | None = None,
     grad_latent_TR: list[Tensor] | None = None,
     grad_rope_TE: list[Tensor] | None = None,
+    on_gradient_slices: Callable[[int, int], None] | None = None,
 ) -> int:
     """Serve an owner's GLM forward (and backward) until it says done; returns exchanges served.
 
     Lists are indexed by MLA storage slot (= model layer): the latents this rank contributes (all
     of its positions if it is before the owner, none if after) and, for a backward, its cotangent
-    slices. `prefix_index_TD[slot]` is None on `shared` layers.
+    slices. `prefix_index_TD[slot]` is None on `shared` layers. `on_gradient_slices` answers the
+    owner's `OP_GRADIENT_SLICES` headers, as in `serve_owner`.
     """
     modules = _attention_modules(model)
     local: dict[int, tuple] = {}
@@ -434,6 +438,9 @@ def serve_mla_owner(
         op, layer_idx, *dims = (int(x) for x in header)
         if op == OP_DONE:
             return served
+        if op == OP_GRADIENT_SLICES:
+            answer_gradient_slices(on_gradient_slices, owner, layer_idx)
+            continue
         served += 1
         if op == OP_MLA_SELECT:
             batch, queries, heads, dim, _ = dims

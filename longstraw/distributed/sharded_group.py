@@ -195,13 +195,6 @@ def sharded_group_gradient_slices(
         responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
         num_items_in_batch, num_sequences_in_batch,
     )  # fmt: skip
-    if prompt_grad == "exact" and state.latent is not None:
-        # Refused before any work: every rank raises here, none waits in a collective.
-        raise ValueError(
-            "sharded_group_gradient_slices has no exact sweep for MLA models (GLM-5) yet: its "
-            "serve loop does not answer OP_GRADIENT_SLICES; use prompt_grad='detached' or "
-            "sharded_group_gradients"
-        )
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     stashed = {name: p.grad for name, p in params}

@@ -63,14 +63,19 @@ def serve_shard(
     *,
     group,
     cotangent=None,
+    on_gradient_slices: Callable[[int, int], None] | None = None,
 ) -> int:
-    """Serve the owner of `shard` (not this rank) with this rank's prefix until it is done."""
+    """Serve the owner of `shard` (not this rank) with this rank's prefix until it is done.
+
+    `on_gradient_slices(owner, index)` answers the owner's `OP_GRADIENT_SLICES` headers (a sweep
+    into sequence-sharded gradient accumulators, `longstraw.distributed.gradient_slices`)."""
     owner = state.owner_of(shard)
     if state.latent is None:
         keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
         return serve_owner(
-            owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values
-        )
+            owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values,
+            on_gradient_slices=on_gradient_slices,
+        )  # fmt: skip
     # GLM-5: MLA layers only (no model family mixes MLA with K/V layers).
     assert state.keys is None, "a model with both MLA and K/V layers is not supported"
     end = local_prefix_end(state, shard)
@@ -84,6 +89,7 @@ def serve_shard(
         local_start=state.token_start, group=group,
         grad_latent_TR=None if cotangent is None else list(cotangent.latent[:, :end]),
         grad_rope_TE=None if cotangent is None else list(cotangent.rope_key[:, :end]),
+        on_gradient_slices=on_gradient_slices,
     )  # fmt: skip
 
 

@@ -25,10 +25,9 @@ from longstraw.distributed.cross_rank_attention import (
     CrossRankAttentionLayer,
     cross_rank_attention_enabled,
     finish_owner,
-    serve_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
-from longstraw.distributed.sharded_prefill import owner_cache, serve_shard, serving_prefixes
+from longstraw.distributed.sharded_prefill import owner_cache, serve_shard
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
@@ -282,13 +281,8 @@ def sharded_sweep(
 
     `on_gradient_slices(owner, index)`: while serving, answer the owner's `OP_GRADIENT_SLICES`
     headers (`longstraw.distributed.gradient_slices`: the owner's post-accumulate hooks scatter
-    each parameter's gradient rows during its backward). Full-attention (K/V) models only.
+    each parameter's gradient rows during its backward).
     """
-    if on_gradient_slices is not None and state.latent is not None:
-        raise ValueError(
-            "sequence-sharded gradient accumulators in the exact sweep are not wired into the "
-            "MLA serve loop (GLM-5) yet; use sharded_group_gradients, or prompt_grad='detached'"
-        )
     if cotangent.conv is not None and state.rank != state.world_size - 1:
         # Every rank replayed the same branches; only the last rank's copy is the real dS.
         cotangent.conv.zero_()
@@ -301,12 +295,9 @@ def sharded_sweep(
                 finish_owner(owner, group)
                 if after_shard is not None:
                     after_shard(shard)
-            elif on_gradient_slices is not None:
-                keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
-                serve_owner(
-                    owner, keys, values, group=group, grad_k_TKD=grad_keys,
-                    grad_v_TKD=grad_values, on_gradient_slices=on_gradient_slices,
-                )  # fmt: skip
             else:
-                serve_shard(model, state, shard, group=group, cotangent=cotangent)
+                serve_shard(
+                    model, state, shard, group=group, cotangent=cotangent,
+                    on_gradient_slices=on_gradient_slices,
+                )  # fmt: skip
             _hand_back_linear_cotangent(state, cotangent, shard, group)

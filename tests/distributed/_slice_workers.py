@@ -228,7 +228,8 @@ def fsdp_sliced_step(
 
 
 def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int):
-    """GLM-5: detached slices vs the dense path; the exact sweep is refused up front."""
+    """GLM-5: slices vs the dense path in both modes (the exact sweep's owner scatters through
+    the MLA serve loop's OP_GRADIENT_SLICES)."""
     from longstraw.distributed.sharded_group import (
         sharded_group_gradient_slices,
         sharded_group_gradients,
@@ -242,18 +243,17 @@ def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_to
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     config = GRPOConfig(beta=0.0)
     state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
-    dense, _ = sharded_group_gradients(
-        model, state, responses, advantages, config, prompt_grad="detached"
-    )
-    slices, _ = sharded_group_gradient_slices(
-        model, state, responses, advantages, config, prompt_grad="detached"
-    )
-    out = _slice_errors(slices, dense)
-    try:
-        sharded_group_gradient_slices(
-            model, state, responses, advantages, config, prompt_grad="exact"
+    out = {}
+    for mode in ("detached", "exact"):
+        dense, _ = sharded_group_gradients(
+            model, state, responses, advantages, config, prompt_grad=mode
         )
-        out["exact_refused"] = ""
-    except ValueError as error:
-        out["exact_refused"] = str(error)
+        slices, _ = sharded_group_gradient_slices(
+            model, state, responses, advantages, config, prompt_grad=mode
+        )
+        out[mode] = {
+            **_slice_errors(slices, dense),
+            "scatter_bytes_sent": slices.bytes_sent,
+            "scatter_bytes_received": slices.bytes_received,
+        }
     return out
