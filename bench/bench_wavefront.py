@@ -20,13 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
+# Idle OpenMP threads sleep instead of spinning (spawned ranks inherit it): on a shared 2-core
+# machine two spinning threads made a 2-thread prefill 10x slower than a 1-thread one.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from longstraw.distributed.launch import run_on_ranks
 
 SEED = 42
-# Warm-up prompt: first-call costs (allocator, lazy kernels) out of the timed runs.
-WARMUP_TOKENS = 65
+# Warm-up prefill (first-call costs out of the timed runs): 4 shards of 32 tokens.
+WARMUP_SHARD, WARMUP_SHARDS = 32, 4
 
 
 def _prompt(model, prompt_len: int) -> torch.Tensor:
@@ -43,7 +47,7 @@ def single_process(rank, world, checkpoint, prompt_len, shard_tokens, threads, r
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt = _prompt(model, prompt_len)
-    prefill(model, prompt[:WARMUP_TOKENS], shard_tokens=shard_tokens)
+    prefill(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -65,16 +69,18 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats):
     prompt = _prompt(model, prompt_len)
     schedules = {"sequential": sharded_prefill, "wavefront": wavefront_prefill}
     for run in schedules.values():
-        run(model, prompt[: WARMUP_TOKENS * world], shard_tokens=shard_tokens)
+        run(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD)
     out: dict = {"threads": torch.get_num_threads()}
     states = {}
     for _ in range(repeats):
         for name, run in schedules.items():
             dist.barrier()
             before = cra.COMM.bytes_sent
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             states[name] = run(model, prompt, shard_tokens=shard_tokens)
             out.setdefault(f"{name}_s", []).append(time.perf_counter() - started)
+            # CPU seconds of this rank's process (all its threads, gloo's included).
+            out.setdefault(f"{name}_cpu_s", []).append(time.process_time() - cpu)
             out[f"{name}_bytes_sent"] = cra.COMM.bytes_sent - before
     sequential, wavefront = states["sequential"], states["wavefront"]
     out["bitwise"] = all(
@@ -83,6 +89,7 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats):
         if getattr(sequential, n) is not None
     )
     out["shards"] = list(sequential.shards)
+    out["layers"] = sequential.spec.num_layers
     out["state_bytes"] = sequential.state_bytes()
     return out
 
@@ -103,6 +110,8 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(init_model(args.family, args.size, Path(tmp) / "ckpt", seed=SEED))
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        layers = config.get("text_config", config)["num_hidden_layers"]
         common = (checkpoint, args.prompt_len, args.shard_tokens)
         singles = {
             threads: run_on_ranks(
@@ -129,10 +138,13 @@ def main() -> None:
         "sequential_over_single_1thread": sequential / single_1,
         "wavefront_over_single_1thread": wavefront / single_1,
         "wavefront_over_sequential": wavefront / sequential,
+        # Equal-cost layers: the wavefront's L + N - 1 steps of 1/N of the shards, vs L·N.
+        "ideal_wavefront_over_sequential": (layers + args.ranks - 1) / (layers * args.ranks),
         "bitwise": all(r["bitwise"] for r in ranks),
         "load_avg_before": load_before,
         "load_avg_after": load_after,
         "cpus": os.cpu_count(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     result = {
         "config": vars(args) | {"out": None},

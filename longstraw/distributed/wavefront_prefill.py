@@ -220,27 +220,6 @@ def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
         config._attn_implementation = previous
 
 
-class _Exchange:
-    """Point-to-point messages of one round: post every receive and send, then wait for all."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self.works: list = []
-
-    def send(self, tensor: Tensor, dst: int, tag: int) -> None:
-        COMM.add(tensor)
-        self.works.append(dist.isend(tensor, group=self.group, group_dst=dst, tag=tag))
-
-    def recv(self, tensor: Tensor, src: int, tag: int) -> Tensor:
-        self.works.append(dist.irecv(tensor, group=self.group, group_src=src, tag=tag))
-        return tensor
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-
-
 class _Plan:
     """What every rank derives identically: which layer each rank runs at a step, message shapes."""
 
@@ -271,83 +250,135 @@ class _Plan:
         return torch.empty(1, dims[0], end - start, dims[1], device=self.device)
 
 
-def _run_layer(threads: list[_ShardThread], layer: int, plan: _Plan) -> dict[int, Tensor]:
-    """Phase A: every owned shard runs `layer` up to its attention call (queries returned per
-    shard) or, for a Gated DeltaNet layer, through it."""
-    queries: dict[int, Tensor] = {}
-    for thread in threads:
-        kind, payload = thread.resume()
-        if layer not in plan.full_slot:
-            assert kind in ("layer", "done"), (kind, layer)
-            continue
-        assert kind == "attention", (kind, layer)
-        expected = plan.buffer(thread.shard, plan.query_dims).shape
-        if payload.shape != expected:
-            raise RuntimeError(
-                f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
-                "family's attention is not supported by wavefront_prefill; use sharded_prefill"
-            )
-        queries[thread.shard] = payload
-    return queries
+class _Step:
+    """This rank's messages of one wavefront step.
 
+    Every receive is posted when the step starts (all shapes are known from the plan); sends are
+    posted as soon as their data exists. Later ranks' queries are answered as soon as they have
+    arrived (polled between this rank's shards), so an earlier rank's own layer overlaps the
+    later rank's attention. Nothing waits on anything that waits on it: queries depend on no
+    message of the step, partials only on queries, the linear state on nothing.
+    """
 
-def _exchange(
-    plan: _Plan, step: int, queries: dict[int, Tensor], group
-) -> dict[tuple[int, int], Tensor]:
-    """Phase B: this rank's part of the step's two rounds; returns the packed partials of earlier
-    ranks for this rank's queries, keyed (earlier rank, shard)."""
-    state = plan.state
-    rank, world = state.rank, state.world_size
-    mine = plan.layer_of(rank, step)
-    # Round 1: queries to earlier ranks, later ranks' queries in; the linear end state onward.
-    messages = _Exchange(group)
-    served: list[tuple[int, int, Tensor]] = []  # (requester, shard, queries)
-    for other in range(rank + 1, world):
-        if plan.layer_of(other, step) in plan.full_slot:
-            for shard in plan.ranges[other]:
-                q = messages.recv(plan.buffer(shard, plan.query_dims), other, _tag(shard, _QUERY))
-                served.append((other, shard, q))
-    if mine in plan.full_slot:
-        for other in range(rank):
-            for shard, q in queries.items():
-                messages.send(q, other, _tag(shard, _QUERY))
-    if mine in plan.linear_slot and rank + 1 < world:
-        slot, last = plan.linear_slot[mine], state.shards[-1]
-        messages.send(state.conv[slot, -1].contiguous(), rank + 1, _tag(last, _CONV))
-        messages.send(state.recurrent[slot, -1].contiguous(), rank + 1, _tag(last, _RECURRENT))
-    previous = None if rank == 0 else plan.layer_of(rank - 1, step)
-    if previous in plan.linear_slot:
-        # Layer `previous` of this rank's first shard starts from it at the next step.
-        slot, last = plan.linear_slot[previous], state.shards[0] - 1
-        messages.recv(state.conv[slot, 0], rank - 1, _tag(last, _CONV))
-        messages.recv(state.recurrent[slot, 0], rank - 1, _tag(last, _RECURRENT))
-    messages.wait()
-    # Round 2: partials over ALL of this rank's positions of the requester's layer, back.
-    answers: dict[tuple[int, int], Tensor] = {}
-    if mine in plan.full_slot:
-        for other in range(rank):
+    def __init__(self, plan: _Plan, step: int, group) -> None:
+        state = plan.state
+        self.plan, self.step, self.group = plan, step, group
+        self.rank = rank = state.rank
+        self.layer = plan.layer_of(rank, step)
+        self.sends: list = []
+        self.linear_recvs: list = []
+        # Later ranks' queries: (requester, shard, buffer, work), answered in `serve_ready`.
+        self.requests: list[tuple[int, int, Tensor, object]] = []
+        for other in range(rank + 1, state.world_size):
+            if plan.layer_of(other, step) in plan.full_slot:
+                for shard in plan.ranges[other]:
+                    q = plan.buffer(shard, plan.query_dims)
+                    self.requests.append((other, shard, q, self._recv(q, other, shard, _QUERY)))
+        # Earlier ranks' partials for this rank's queries, per shard in rank order.
+        self.partials: dict[int, list[tuple[Tensor, object]]] = {}
+        if self.layer in plan.full_slot:
             for shard in state.shards:
-                buffer = plan.buffer(shard, plan.partial_dims)
-                answers[other, shard] = messages.recv(buffer, other, _tag(shard, _PARTIAL))
-    for other, shard, q in served:
-        slot = plan.full_slot[plan.layer_of(other, step)]
-        out, lse = prefix_partial(q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS)
-        # `_gather_partials`' packing: the requester unpacks views, as the sequential owner does.
-        messages.send(
-            torch.cat([out, lse[..., None]], dim=-1).contiguous(), other, _tag(shard, _PARTIAL)
-        )
-    messages.wait()
-    return answers
+                self.partials[shard] = []
+                for other in range(rank):
+                    packed = plan.buffer(shard, plan.partial_dims)
+                    work = self._recv(packed, other, shard, _PARTIAL)
+                    self.partials[shard].append((packed, work))
+        previous = None if rank == 0 else plan.layer_of(rank - 1, step)
+        if previous in plan.linear_slot:
+            # Layer `previous` of this rank's first shard starts from it at the next step.
+            slot, last = plan.linear_slot[previous], state.shards[0] - 1
+            for buffer, kind in (
+                (state.conv[slot, 0], _CONV),
+                (state.recurrent[slot, 0], _RECURRENT),
+            ):
+                self.linear_recvs.append(self._recv(buffer, rank - 1, last, kind))
+
+    def _recv(self, buffer: Tensor, src: int, shard: int, kind: int):
+        return dist.irecv(buffer, group=self.group, group_src=src, tag=shard * _KINDS + kind)
+
+    def _send(self, tensor: Tensor, dst: int, shard: int, kind: int) -> None:
+        COMM.add(tensor)
+        work = dist.isend(tensor, group=self.group, group_dst=dst, tag=shard * _KINDS + kind)
+        self.sends.append(work)
+
+    def send_queries(self, shard: int, q_s: Tensor) -> None:
+        for other in range(self.rank):
+            self._send(q_s, other, shard, _QUERY)
+
+    def send_linear_state(self) -> None:
+        """The end-of-range state of this step's Gated DeltaNet layer, to the next rank."""
+        state = self.plan.state
+        if self.layer not in self.plan.linear_slot or self.rank + 1 == state.world_size:
+            return
+        slot, last = self.plan.linear_slot[self.layer], state.shards[-1]
+        self._send(state.conv[slot, -1].contiguous(), self.rank + 1, last, _CONV)
+        self._send(state.recurrent[slot, -1].contiguous(), self.rank + 1, last, _RECURRENT)
+
+    def serve_ready(self, *, wait: bool = False) -> None:
+        """Answer the later ranks' queries that have arrived (all of them with `wait`): the
+        partial over ALL of this rank's positions of the requester's layer (finished: this rank
+        ran it at an earlier step), packed as `_gather_partials` packs it."""
+        state, pending = self.plan.state, []
+        for request in self.requests:
+            requester, shard, q, work = request
+            if not wait and not work.is_completed():
+                pending.append(request)
+                continue
+            work.wait()
+            slot = self.plan.full_slot[self.plan.layer_of(requester, self.step)]
+            out, lse = prefix_partial(
+                q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
+            )
+            self._send(
+                torch.cat([out, lse[..., None]], dim=-1).contiguous(), requester, shard, _PARTIAL
+            )
+        self.requests = pending
+
+    def earlier_partials(self, shard: int) -> list[tuple[Tensor, Tensor]]:
+        """The earlier ranks' (out, lse) for `shard`'s queries, in rank order (views, as the
+        sequential owner unpacks its all_gather)."""
+        parts = []
+        for packed, work in self.partials[shard]:
+            work.wait()
+            parts.append((packed[..., :-1], packed[..., -1]))
+        return parts
+
+    def finish(self) -> None:
+        for work in (*self.sends, *self.linear_recvs):
+            work.wait()
 
 
-def _finish_attention(
-    threads: list[_ShardThread], answers: dict[tuple[int, int], Tensor], rank: int
-) -> None:
-    """Phase C: every owned shard merges the earlier ranks' partials and finishes its layer."""
-    for thread in threads:
-        packed = [answers[other, thread.shard] for other in range(rank)]
-        kind, _ = thread.resume([(p[..., :-1], p[..., -1]) for p in packed])
-        assert kind in ("layer", "done"), kind
+def _run_step(threads: list[_ShardThread], plan: _Plan, step: int, group) -> None:
+    """One wavefront step on this rank (module docstring: phases A, B, C)."""
+    messages = _Step(plan, step, group)
+    layer = messages.layer
+    if layer is not None:
+        # A: every owned shard runs `layer` up to its attention call (its queries leave at
+        # once) or, for a Gated DeltaNet layer, through it.
+        for thread in threads:
+            kind, payload = thread.resume()
+            if layer in plan.full_slot:
+                assert kind == "attention", (kind, layer)
+                expected = plan.buffer(thread.shard, plan.query_dims).shape
+                if payload.shape != expected:
+                    raise RuntimeError(
+                        f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: "
+                        "this family's attention is not supported by wavefront_prefill; use "
+                        "sharded_prefill"
+                    )
+                messages.send_queries(thread.shard, payload)
+            else:
+                assert kind in ("layer", "done"), (kind, layer)
+            messages.serve_ready()
+        messages.send_linear_state()
+    # B: answer every later rank's queries of this step.
+    messages.serve_ready(wait=True)
+    if layer in plan.full_slot:
+        # C: each shard merges the earlier ranks' partials and finishes the layer.
+        for thread in threads:
+            kind, _ = thread.resume(messages.earlier_partials(thread.shard))
+            assert kind in ("layer", "done"), kind
+    messages.finish()
 
 
 def _tag(shard: int, kind: int) -> int:
@@ -378,11 +409,7 @@ def wavefront_prefill(
                 report = thread.start()
                 assert report == ("layer", 0), report
             for step in range(plan.num_steps):
-                layer = plan.layer_of(state.rank, step)
-                queries = {} if layer is None else _run_layer(threads, layer, plan)
-                answers = _exchange(plan, step, queries, group)
-                if layer in plan.full_slot:
-                    _finish_attention(threads, answers, state.rank)
+                _run_step(threads, plan, step, group)
             assert not any(thread.running for thread in threads), "a shard did not finish"
         finally:
             for thread in threads:
