@@ -11,21 +11,24 @@ s, so here rank r computes layer l of all its shards at step t = l + r: L + N - 
 rank, with l = t - r:
 
   A. each owned shard runs layer l up to its attention call (full-attention layers; the K/V
-     are written into the state before the call) or through the layer (Gated DeltaNet),
-  B. round 1: the queries of rank r's shards go to every earlier rank (query-sized, one message
-     per shard and earlier rank); rank r's end-of-range linear state of layer l (if linear) goes
-     to rank r + 1, which starts layer l from it at step t + 1;
-     round 2: every earlier rank answers with the partial (out, lse) of those queries over ALL
-     its positions of layer l (finished: it did layer l at an earlier step);
+     are written into the state before the call), and its queries leave at once for every
+     earlier rank (one message per shard and earlier rank) — or through the layer (Gated
+     DeltaNet); then rank r's end-of-range linear state of layer l goes to rank r + 1, which
+     starts layer l from it at step t + 1;
+  B. every earlier rank answers with the partial (out, lse) of those queries over ALL its
+     positions of layer l (finished: it ran layer l at an earlier step) — as soon as they have
+     arrived, polled between its own shards of phase A, then the rest;
   C. each shard finishes layer l: the same merge as `sharded_prefill`'s owner — the N partials in
      rank order (earlier ranks', its own over its earlier positions, an empty one per later
      rank), then the causal in-shard part — so the state is bitwise `sharded_prefill`'s.
 
 No rank receives another rank's K/V. Only point-to-point messages between the ranks that need
-them, all posted before any is waited on, each with a tag naming its shard and kind: every rank
-derives the same plan from (t, the layer kinds, the shard ranges), so the exchange cannot
-deadlock and its order is fixed. A rank that dies closes its connections; the others raise out
-of their wait (or time out with the group's timeout) and `run_on_ranks` names it.
+them, each with a tag naming its shard and kind; every rank derives the same plan from (t, the
+layer kinds, the shard ranges) and posts all of a step's receives when the step starts. Nothing
+waits on anything that waits on it — queries depend on no message of the step, partials only on
+queries, the linear state on nothing — so a step cannot deadlock, and which message arrives
+first changes no value. A rank that dies closes its connections; the others raise out of their
+wait (or time out with the group's timeout) and `run_on_ranks` names it.
 
 How one layer of one shard runs without a per-family decoder driver: each owned shard runs the
 ordinary `run_shard_forward` (transformers' decoder: embeddings, rotary, masks, layer kwargs) in
