@@ -28,6 +28,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharded_prefill
 from longstraw.distributed.sharded_state import ShardedPrefixState
+from longstraw.distributed.wavefront_prefill import wavefront_prefill
 from longstraw.schemas.storage import (
     ArraySpec,
     PrefixStateRef,
@@ -55,6 +57,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # How often a rank looks for the previous rank's boundary shard manifest (background writers
 # record it asynchronously; synchronous ones have it before the next shard starts).
 _POLL_S = 0.05
+_SCHEDULES = {"sequential": sharded_prefill, "wavefront": wavefront_prefill}
 
 
 @dataclass(frozen=True)
@@ -174,16 +177,25 @@ def persisted_sharded_prefill(
     group: dist.ProcessGroup | None = None,
     on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
     manifest_timeout_s: float = 300.0,
+    schedule: Literal["sequential", "wavefront"] = "sequential",
 ) -> tuple[ShardedPrefixState, ShardedPrefillOutcome]:
     """This rank's slice of the prompt state for `key`: resumed, computed and persisted.
 
     Call on every rank of `group` with the same arguments. `on_shard(state, s)` runs on the owner
     after shard s is computed AND handed to its writer (recorded, with persist_mode
     "synchronous"). The result is bitwise what an uninterrupted `sharded_prefill` gives.
+
+    `schedule`: "sequential" (`sharded_prefill`) records each shard as soon as it is computed, so
+    a crash loses at most the shard in progress; "wavefront" (`wavefront_prefill`: all ranks compute
+    at once) records a rank's shards only once the whole wavefront is done, so a crash loses the
+    call's work. Both resume from the recorded shards and give the same bits.
     """
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
+    run_prefill = _SCHEDULES[schedule]
     state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
     if storage.persist_mode == "off":
-        state = sharded_prefill(
+        state = run_prefill(
             model, state.prompt_ids, shard_tokens=shard_tokens, group=group, on_shard=on_shard
         )
         return state, ShardedPrefillOutcome(None, 0, len(state.shards), 0, 0)
@@ -208,7 +220,7 @@ def persisted_sharded_prefill(
             if on_shard is not None:
                 on_shard(local, shard)
 
-        state = sharded_prefill(
+        state = run_prefill(
             model,
             state.prompt_ids,
             shard_tokens=shard_tokens,

@@ -245,6 +245,29 @@ def allocate_sharded_state(
     )
 
 
+def prefill_target(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    group: dist.ProcessGroup | None,
+    resume: ShardedPrefixState | None,
+    start_shard: int,
+) -> ShardedPrefixState:
+    """The state a sharded prefill fills: fresh, or `resume` checked against the arguments."""
+    ids = _prompt_tensor(model, prompt_ids)
+    if resume is None:
+        if start_shard != 0:
+            raise ValueError("start_shard > 0 needs the partially filled state as `resume=`")
+        return allocate_sharded_state(model, ids, shard_tokens=shard_tokens, group=group)
+    if not torch.equal(resume.prompt_ids, ids.cpu()) or resume.shard_tokens != shard_tokens:
+        raise ValueError(
+            "the state to resume was computed for another prompt or shard size "
+            f"(shard_tokens {resume.shard_tokens} vs {shard_tokens}); start a fresh prefill"
+        )
+    return resume
+
+
 def sharded_prefill(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor | Sequence[int],
@@ -264,18 +287,9 @@ def sharded_prefill(
     handoffs at their ownership boundaries are replayed (one constant-size broadcast each).
     """
     ids = _prompt_tensor(model, prompt_ids)
-    if resume is None:
-        if start_shard != 0:
-            raise ValueError("start_shard > 0 needs the partially filled state as `resume=`")
-        state = allocate_sharded_state(model, ids, shard_tokens=shard_tokens, group=group)
-    else:
-        state = resume
-        if not torch.equal(state.prompt_ids, ids.cpu()) or state.shard_tokens != shard_tokens:
-            raise ValueError(
-                "the state to resume was computed for another prompt or shard size "
-                f"(shard_tokens {state.shard_tokens} vs {shard_tokens}); start a fresh prefill"
-            )
-
+    state = prefill_target(
+        model, ids, shard_tokens=shard_tokens, group=group, resume=resume, start_shard=start_shard
+    )
     with torch.no_grad(), cross_rank_attention_enabled(model):
         for shard in range(state.num_shards):
             # Also at restored boundaries: the start state of a rank's first shard is the previous

@@ -38,9 +38,9 @@ resumes it. The threads are coroutines: exactly one thread of a rank computes at
 a fixed order, so the result does not depend on thread timing.
 
 Not covered: GLM-5's MLA + DSA layers (their select-then-attend exchange would need a third
-round per step; `NotImplementedError` names `sharded_prefill`), and resume / `on_shard`
-persistence (a shard is complete only at the last step: `persisted_sharded_prefill` keeps the
-sequential schedule). See docs/scaling.md, "Schedule".
+round per step; `NotImplementedError` names `sharded_prefill`). Resume works as in
+`sharded_prefill`; persistence records shards only when the whole wavefront is done
+(`persisted_sharded_prefill(..., schedule="wavefront")`). See docs/scaling.md, "Schedule".
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,9 @@ from longstraw.distributed.cross_rank_attention import (
 )
 from longstraw.distributed.partial_attention import causal_partial, merge_partials, prefix_partial
 from longstraw.distributed.sharded_prefill import (
-    allocate_sharded_state,
     broadcast_final_linear_state,
     owner_prefill_cache,
+    prefill_target,
 )
 from longstraw.distributed.sharded_state import ShardedPrefixState, rank_shard_ranges
 from longstraw.engine.attention import CACHE_KWARG
@@ -226,10 +226,15 @@ def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
 class _Plan:
     """What every rank derives identically: which layer each rank runs at a step, message shapes."""
 
-    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState) -> None:
+    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, start_shard: int) -> None:
         spec = state.spec
         self.state = state
-        self.ranges = rank_shard_ranges(state.num_shards, state.world_size)
+        # The shards each rank computes (resume: those from `start_shard` on; a rank whose
+        # shards are all restored computes none but still answers queries and hands on state).
+        self.computed = [
+            [shard for shard in owned if shard >= start_shard]
+            for owned in rank_shard_ranges(state.num_shards, state.world_size)
+        ]
         self.num_layers = spec.num_layers
         fa, la = spec.full_attention, spec.linear_attention
         self.full_slot = {} if fa is None else {i: s for s, i in enumerate(fa.layer_indices)}
@@ -274,13 +279,13 @@ class _Step:
         self.requests: list[tuple[int, int, Tensor, object]] = []
         for other in range(rank + 1, state.world_size):
             if plan.layer_of(other, step) in plan.full_slot:
-                for shard in plan.ranges[other]:
+                for shard in plan.computed[other]:
                     q = plan.buffer(shard, plan.query_dims)
                     self.requests.append((other, shard, q, self._recv(q, other, shard, _QUERY)))
         # Earlier ranks' partials for this rank's queries, per shard in rank order.
         self.partials: dict[int, list[tuple[Tensor, object]]] = {}
         if self.layer in plan.full_slot:
-            for shard in state.shards:
+            for shard in plan.computed[rank]:
                 self.partials[shard] = []
                 for other in range(rank):
                     packed = plan.buffer(shard, plan.partial_dims)
@@ -394,18 +399,30 @@ def wavefront_prefill(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
+    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+    resume: ShardedPrefixState | None = None,
+    start_shard: int = 0,
 ) -> ShardedPrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`, bitwise `sharded_prefill`'s
     (same placement, same bits), computed on the layer wavefront; call on every rank together.
+
+    `resume` / `start_shard` as in `sharded_prefill`: owned shards before `start_shard` are
+    restored, not recomputed (their K/V answer queries; a rank's restored end state is handed on
+    layer by layer). A shard is complete only when its last layer is, at the end of the
+    wavefront: `on_shard(state, s)` then runs for every computed owned shard in order — a crash
+    mid-wavefront loses this call's work (the sequential schedule loses one shard's).
     """
     if is_glm(model):
         raise NotImplementedError(
             "wavefront_prefill covers K/V and Gated DeltaNet layers; GLM-5's MLA + DSA layers "
             "prefill with the sequential schedule: use sharded_prefill"
         )
-    state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
-    plan = _Plan(model, state)
-    threads = [_ShardThread(model, state, shard, group) for shard in state.shards]
+    state = prefill_target(
+        model, prompt_ids, shard_tokens=shard_tokens, group=group, resume=resume,
+        start_shard=start_shard,
+    )  # fmt: skip
+    plan = _Plan(model, state, start_shard)
+    threads = [_ShardThread(model, state, shard, group) for shard in plan.computed[state.rank]]
     with torch.no_grad(), _wavefront_installed(model):
         try:
             for thread in threads:
@@ -419,5 +436,8 @@ def wavefront_prefill(
                 thread.abort()
             for thread in threads:
                 thread.join()
+        if on_shard is not None:
+            for thread in threads:
+                on_shard(state, thread.shard)
         broadcast_final_linear_state(state, group)
     return state

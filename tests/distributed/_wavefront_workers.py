@@ -117,3 +117,80 @@ def die_during_wavefront(rank: int, world: int, checkpoint: str, dying_rank: int
         decoder_of(model).layers[1].register_forward_pre_hook(fail)
     wavefront_prefill(model, prompt, shard_tokens=7)
     return "finished"
+
+
+def persisted_prefill_dying_with(
+    rank: int,
+    world: int,
+    checkpoint: str,
+    root: str,
+    schedule: str,
+    prompt_len: int,
+    shard_tokens: int,
+    dying_rank: int,
+    dying_after_shard: int,
+):
+    """`persisted_sharded_prefill(schedule=...)`; `dying_rank` exits hard once
+    `dying_after_shard` is recorded (synchronous writers)."""
+    from _workers import _persisted_setup
+
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+
+    model, prompt, _, _, storage, key = _persisted_setup(
+        checkpoint, root, prompt_len, "synchronous"
+    )
+
+    def on_shard(state, shard):
+        if rank == dying_rank and shard == dying_after_shard:
+            os._exit(17)
+
+    persisted_sharded_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, on_shard=on_shard,
+        schedule=schedule,
+    )  # fmt: skip
+    return "finished"
+
+
+def resume_persisted_prefill_with(
+    rank: int,
+    world: int,
+    checkpoint: str,
+    root: str,
+    schedule: str,
+    prompt_len: int,
+    shard_tokens: int,
+):
+    """The rerun with `schedule` (background writers) against an uninterrupted sequential
+    `sharded_prefill`: counts, state, committed state and exact-mode gradients."""
+    from _workers import _persisted_setup
+
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_state import gather_state
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.storage import open_committed_state
+
+    model, prompt, responses, advantages, storage, key = _persisted_setup(
+        checkpoint, root, prompt_len, "background"
+    )
+    resumed, outcome = persisted_sharded_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, schedule=schedule
+    )
+    uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    whole, want = gather_state(resumed).tensors(), gather_state(uninterrupted).tensors()
+    committed = open_committed_state(
+        outcome.ref, expect_weights_digest="weights", expect_policy_version=0, cache=None
+    ).tensors
+    config = GRPOConfig(beta=0.0)
+    got, _ = sharded_group_gradients(model, resumed, responses, advantages, config)
+    ref, _ = sharded_group_gradients(model, uninterrupted, responses, advantages, config)
+    return {
+        "resumed_at": outcome.resumed_at,
+        "counts": (outcome.shards_computed, outcome.shards_restored, outcome.boundary_reads),
+        "ref": outcome.ref.manifest_sha256,
+        "state_bitwise": all(torch.equal(whole[n], t) for n, t in want.items()),
+        "committed_bitwise": set(committed) == set(want)
+        and all(torch.equal(committed[n], t) for n, t in want.items()),
+        "grads_bitwise": all(torch.equal(got.grads[n], g) for n, g in ref.grads.items()),
+    }
