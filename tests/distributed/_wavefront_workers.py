@@ -194,3 +194,30 @@ def resume_persisted_prefill_with(
         and all(torch.equal(committed[n], t) for n, t in want.items()),
         "grads_bitwise": all(torch.equal(got.grads[n], g) for n, g in ref.grads.items()),
     }
+
+
+def wavefront_on_subgroups(rank: int, world: int, checkpoint: str, seq: int):
+    """Sequence groups of `seq` consecutive ranks (the "seq" dimension of a 2-D mesh), each on its
+    own prompt: the wavefront state against the sequential one within each subgroup."""
+    import torch.distributed as dist
+
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+
+    groups = [dist.new_group(list(range(g, g + seq))) for g in range(0, world, seq)]
+    group = groups[rank // seq]
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (41,), generator=torch.Generator().manual_seed(rank // seq))
+    want = sharded_prefill(model, prompt, shard_tokens=4, group=group)
+    got = wavefront_prefill(model, prompt, shard_tokens=4, group=group)
+    return {
+        "group_rank": got.rank,
+        "bitwise": all(
+            torch.equal(getattr(got, n), getattr(want, n))
+            for n in STATE_FIELDS
+            if getattr(want, n) is not None
+        ),
+    }

@@ -12,7 +12,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _wavefront_workers import die_during_wavefront, wavefront_against_sequential
+from _wavefront_workers import (
+    die_during_wavefront,
+    wavefront_against_sequential,
+    wavefront_on_subgroups,
+)
 
 import longstraw.distributed.sharded_group
 import longstraw.distributed.wavefront_prefill
@@ -107,3 +111,13 @@ def test_glm_refuses_the_wavefront_and_names_the_sequential_schedule(load_tiny):
 
     with pytest.raises(NotImplementedError, match="sharded_prefill"):
         wavefront_prefill(load_tiny("glm_moe_dsa"), list(range(10)), shard_tokens=3)
+
+
+def test_wavefront_on_sequence_subgroups_is_bitwise_the_sequential_state(checkpoint_dir):
+    # 4 processes, two sequence groups of 2 with their own prompts: messages address group ranks.
+    results = run_on_ranks(
+        wavefront_on_subgroups, 4, str(checkpoint_dir("qwen3_5")), 2, timeout_s=120,
+        start_method=START_METHOD,
+    )  # fmt: skip
+    assert [r["group_rank"] for r in results] == [0, 1, 0, 1]
+    assert all(r["bitwise"] for r in results)
