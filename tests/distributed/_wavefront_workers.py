@@ -131,14 +131,18 @@ def persisted_prefill_dying_with(
     dying_after_shard: int,
 ):
     """`persisted_sharded_prefill(schedule=...)`; `dying_rank` exits hard once
-    `dying_after_shard` is recorded (synchronous writers)."""
+    `dying_after_shard` is recorded (synchronous writers), or with -1 inside decoder layer 1 of
+    its first computed shard (mid-wavefront, before anything is recorded)."""
     from _workers import _persisted_setup
 
     from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.models.adapters import decoder_of
 
     model, prompt, _, _, storage, key = _persisted_setup(
         checkpoint, root, prompt_len, "synchronous"
     )
+    if rank == dying_rank and dying_after_shard < 0:
+        decoder_of(model).layers[1].register_forward_pre_hook(lambda module, args: os._exit(17))
 
     def on_shard(state, shard):
         if rank == dying_rank and shard == dying_after_shard:

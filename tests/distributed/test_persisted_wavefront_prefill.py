@@ -2,10 +2,10 @@
 
 P = 200 in 33-token shards (7 shards; 3 + 2 + 2 over 3 ranks, 4 + 3 over 2), synchronous writers
 in the crashed run, background ones in the rerun. The wavefront records a rank's shards once the
-whole wavefront is done; a rank exits hard right after one of its shards is recorded. The rerun
-resumes at the next shard — also across schedules, since both give the same bits — and its
-state, the committed state read back and the exact-mode gradients equal an uninterrupted
-sequential run's, bitwise.
+whole wavefront is done; a rank exits hard right after one of its shards is recorded (or
+mid-wavefront, when nothing is recorded yet). The rerun resumes at the next shard — also across
+schedules, since both give the same bits — and its state, the committed state read back and the
+exact-mode gradients equal an uninterrupted sequential run's, bitwise.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ CASES = [
     # Rank 0 resumes inside its own range on the wavefront (restored and computed shards mixed).
     ("llama", 2, "sequential", "wavefront", 0, 1, [(2, 2, 0), (3, 0, 1)]),
     ("qwen3_5", 2, "wavefront", "sequential", 0, 2, [(1, 3, 0), (3, 0, 1)]),
+    # Rank 2 dies mid-wavefront (-1: inside a decoder layer): the wavefront records a rank's
+    # shards only at its end, so nothing was recorded and the rerun computes all 7.
+    ("qwen3_5", 3, "wavefront", "wavefront", 2, -1, [(3, 0, 0), (2, 0, 1), (2, 0, 1)]),
 ]
 
 
