@@ -56,7 +56,7 @@ def single_process(rank, world, checkpoint, prompt_len, shard_tokens, threads, r
     return {"threads": torch.get_num_threads(), "prefill_s": times}
 
 
-def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats):
+def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats, attention_window):
     import torch.distributed as dist
 
     from longstraw.distributed import cross_rank_attention as cra
@@ -67,7 +67,11 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats):
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt = _prompt(model, prompt_len)
-    schedules = {"sequential": sharded_prefill, "wavefront": wavefront_prefill}
+
+    def wavefront(*args, **kwargs):
+        return wavefront_prefill(*args, attention_window=attention_window, **kwargs)
+
+    schedules = {"sequential": sharded_prefill, "wavefront": wavefront}
     for run in schedules.values():
         run(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD)
     out: dict = {"threads": torch.get_num_threads()}
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--shard-tokens", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention-window", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -121,7 +126,13 @@ def main() -> None:
             for threads in (1, 2)
         }  # fmt: skip
         ranks = run_on_ranks(
-            sharded, args.ranks, *common, args.repeats, timeout_s=3600, num_threads=1
+            sharded,
+            args.ranks,
+            *common,
+            args.repeats,
+            args.attention_window,
+            timeout_s=3600,
+            num_threads=1,
         )
     load_after = os.getloadavg()
 

@@ -45,6 +45,7 @@ round per step; `NotImplementedError` names `sharded_prefill`). Resume works as 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -78,6 +79,8 @@ _QUERY, _PARTIAL, _CONV, _RECURRENT = range(4)
 _KINDS = 4
 # Seconds a rank waits for a paused shard thread to join at the end (they are all finished).
 _JOIN_S = 30.0
+# No message at all for this long while waiting: a rank is stuck (gloo's default timeout).
+_STALL_S = 1800.0
 
 _current = threading.local()
 
@@ -258,14 +261,61 @@ class _Plan:
         return torch.empty(1, dims[0], end - start, dims[1], device=self.device)
 
 
+class _Arrivals:
+    """A step's receives, reported as they complete.
+
+    gloo's point-to-point works say nothing about completion until waited on (`is_completed()`
+    stays False), so one thread per stream — one peer's receives of one kind, posted in the
+    order that peer sends them — waits on them in turn and reports each key to the rank's main
+    thread, which can then answer whatever has arrived without blocking on one message.
+    """
+
+    def __init__(self) -> None:
+        self._reports: queue.Queue = queue.Queue()
+        self.arrived: set = set()
+
+    def watch(self, keyed_works: list[tuple[object, object]]) -> None:
+        def wait_in_turn() -> None:
+            try:
+                for key, work in keyed_works:
+                    work.wait()
+                    self._reports.put((key, None))
+            except BaseException as exc:  # handed to the main thread, which raises it
+                self._reports.put((None, exc))
+
+        if keyed_works:
+            threading.Thread(target=wait_in_turn, name="wavefront-recv", daemon=True).start()
+
+    def collect(self, *, block: bool) -> None:
+        """Mark every reported key (with `block`, wait for at least one first)."""
+        try:
+            item = self._reports.get(timeout=_STALL_S) if block else self._reports.get_nowait()
+        except queue.Empty:
+            if block:
+                raise TimeoutError(
+                    f"no message for {_STALL_S:.0f} s in the wavefront: a rank is stuck"
+                ) from None
+            return
+        while True:
+            key, error = item
+            if error is not None:
+                raise error
+            self.arrived.add(key)
+            try:
+                item = self._reports.get_nowait()
+            except queue.Empty:
+                return
+
+
 class _Step:
     """This rank's messages of one wavefront step.
 
     Every receive is posted when the step starts (all shapes are known from the plan); sends are
     posted as soon as their data exists. Later ranks' queries are answered as soon as they have
-    arrived (polled between this rank's shards), so an earlier rank's own layer overlaps the
-    later rank's attention. Nothing waits on anything that waits on it: queries depend on no
-    message of the step, partials only on queries, the linear state on nothing.
+    arrived (looked for between this rank's shards, and whenever it waits), so an earlier rank's
+    own layer overlaps the later rank's attention. Nothing waits on anything that waits on it:
+    queries depend on no message of the step, partials only on queries (and a waiting rank keeps
+    answering), the linear state on nothing.
     """
 
     def __init__(self, plan: _Plan, step: int, group) -> None:
@@ -275,22 +325,30 @@ class _Step:
         self.layer = plan.layer_of(rank, step)
         self.sends: list = []
         self.linear_recvs: list = []
-        # Later ranks' queries: (requester, shard, buffer, work), answered in `serve_ready`.
-        self.requests: list[tuple[int, int, Tensor, object]] = []
+        self.arrivals = _Arrivals()
+        # Later ranks' queries: (requester, shard, buffer), answered in `serve_ready`.
+        self.requests: list[tuple[int, int, Tensor]] = []
         for other in range(rank + 1, state.world_size):
             if plan.layer_of(other, step) in plan.full_slot:
+                stream = []
                 for shard in plan.computed[other]:
                     q = plan.buffer(shard, plan.query_dims)
-                    self.requests.append((other, shard, q, self._recv(q, other, shard, _QUERY)))
-        # Earlier ranks' partials for this rank's queries, per shard in rank order.
-        self.partials: dict[int, list[tuple[Tensor, object]]] = {}
+                    stream.append(((_QUERY, other, shard), self._recv(q, other, shard, _QUERY)))
+                    self.requests.append((other, shard, q))
+                self.arrivals.watch(stream)
+        # Earlier ranks' partials for this rank's queries: packed buffers per shard, rank order.
+        self.partials: dict[int, list[Tensor]] = {}
         if self.layer in plan.full_slot:
+            streams: list[list] = [[] for _ in range(rank)]
             for shard in plan.computed[rank]:
                 self.partials[shard] = []
                 for other in range(rank):
                     packed = plan.buffer(shard, plan.partial_dims)
                     work = self._recv(packed, other, shard, _PARTIAL)
-                    self.partials[shard].append((packed, work))
+                    streams[other].append(((_PARTIAL, other, shard), work))
+                    self.partials[shard].append(packed)
+            for stream in streams:
+                self.arrivals.watch(stream)
         previous = None if rank == 0 else plan.layer_of(rank - 1, step)
         if previous in plan.linear_slot:
             # Layer `previous` of this rank's first shard starts from it at the next step.
@@ -322,17 +380,17 @@ class _Step:
         self._send(state.conv[slot, -1].contiguous(), self.rank + 1, last, _CONV)
         self._send(state.recurrent[slot, -1].contiguous(), self.rank + 1, last, _RECURRENT)
 
-    def serve_ready(self, *, wait: bool = False) -> None:
-        """Answer the later ranks' queries that have arrived (all of them with `wait`): the
-        partial over ALL of this rank's positions of the requester's layer (finished: this rank
-        ran it at an earlier step), packed as `_gather_partials` packs it."""
+    def serve_ready(self) -> None:
+        """Answer the later ranks' queries that have arrived: the partial over ALL of this
+        rank's positions of the requester's layer (finished: this rank ran it at an earlier
+        step), packed as `_gather_partials` packs it."""
+        self.arrivals.collect(block=False)
         state, pending = self.plan.state, []
         for request in self.requests:
-            requester, shard, q, work = request
-            if not wait and not work.is_completed():
+            requester, shard, q = request
+            if (_QUERY, requester, shard) not in self.arrivals.arrived:
                 pending.append(request)
                 continue
-            work.wait()
             slot = self.plan.full_slot[self.plan.layer_of(requester, self.step)]
             out, lse = prefix_partial(
                 q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
@@ -342,55 +400,66 @@ class _Step:
             )
         self.requests = pending
 
+    def _serve_until(self, done: Callable[[], bool]) -> None:
+        """Answer arriving queries until `done()`: a rank never waits without answering, so
+        every wait ends (a rank's partials come from lower ranks, which keep answering)."""
+        while True:
+            self.serve_ready()
+            if done():
+                return
+            self.arrivals.collect(block=True)
+
+    def serve_all(self) -> None:
+        """Answer every later rank's queries of this step."""
+        self._serve_until(lambda: not self.requests)
+
     def earlier_partials(self, shard: int) -> list[tuple[Tensor, Tensor]]:
         """The earlier ranks' (out, lse) for `shard`'s queries, in rank order (views, as the
-        sequential owner unpacks its all_gather)."""
-        parts = []
-        for packed, work in self.partials[shard]:
-            work.wait()
-            parts.append((packed[..., :-1], packed[..., -1]))
-        return parts
+        sequential owner unpacks its all_gather), answering queries while they arrive."""
+        keys = [(_PARTIAL, other, shard) for other in range(self.rank)]
+        self._serve_until(lambda: all(key in self.arrivals.arrived for key in keys))
+        return [(packed[..., :-1], packed[..., -1]) for packed in self.partials[shard]]
 
     def finish(self) -> None:
         for work in (*self.sends, *self.linear_recvs):
             work.wait()
 
 
-def _run_step(threads: list[_ShardThread], plan: _Plan, step: int, group) -> None:
-    """One wavefront step on this rank (module docstring: phases A, B, C)."""
+def _run_step(threads: list[_ShardThread], plan: _Plan, step: int, group, window: int) -> None:
+    """One wavefront step on this rank (module docstring: phases A, B, C); at most `window`
+    owned shards are paused inside their attention call at once."""
     messages = _Step(plan, step, group)
     layer = messages.layer
-    if layer is not None:
-        # A: every owned shard runs `layer` up to its attention call (its queries leave at
-        # once) or, for a Gated DeltaNet layer, through it.
+    if layer in plan.full_slot:
+        in_attention: collections.deque[_ShardThread] = collections.deque()
         for thread in threads:
+            # A: up to the attention call; the queries leave at once.
             kind, payload = thread.resume()
-            if layer in plan.full_slot:
-                assert kind == "attention", (kind, layer)
-                expected = plan.buffer(thread.shard, plan.query_dims).shape
-                if payload.shape != expected:
-                    raise RuntimeError(
-                        f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: "
-                        "this family's attention is not supported by wavefront_prefill; use "
-                        "sharded_prefill"
-                    )
-                messages.send_queries(thread.shard, payload)
-            else:
-                assert kind in ("layer", "done"), (kind, layer)
+            assert kind == "attention", (kind, layer)
+            expected = plan.buffer(thread.shard, plan.query_dims).shape
+            if payload.shape != expected:
+                raise RuntimeError(
+                    f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
+                    "family's attention is not supported by wavefront_prefill; use sharded_prefill"
+                )
+            messages.send_queries(thread.shard, payload)
+            in_attention.append(thread)
+            messages.serve_ready()
+            while len(in_attention) >= window or (in_attention and thread is threads[-1]):
+                # C: merge the earlier ranks' partials, finish the layer.
+                oldest = in_attention.popleft()
+                kind, _ = oldest.resume(messages.earlier_partials(oldest.shard))
+                assert kind in ("layer", "done"), kind
+    elif layer is not None:
+        # A for a Gated DeltaNet layer: through it, then the end state to the next rank.
+        for thread in threads:
+            kind, _ = thread.resume()
+            assert kind in ("layer", "done"), (kind, layer)
             messages.serve_ready()
         messages.send_linear_state()
     # B: answer every later rank's queries of this step.
-    messages.serve_ready(wait=True)
-    if layer in plan.full_slot:
-        # C: each shard merges the earlier ranks' partials and finishes the layer.
-        for thread in threads:
-            kind, _ = thread.resume(messages.earlier_partials(thread.shard))
-            assert kind in ("layer", "done"), kind
+    messages.serve_all()
     messages.finish()
-
-
-def _tag(shard: int, kind: int) -> int:
-    return shard * _KINDS + kind
 
 
 def wavefront_prefill(
@@ -402,9 +471,15 @@ def wavefront_prefill(
     on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
     resume: ShardedPrefixState | None = None,
     start_shard: int = 0,
+    attention_window: int | None = None,
 ) -> ShardedPrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`, bitwise `sharded_prefill`'s
     (same placement, same bits), computed on the layer wavefront; call on every rank together.
+
+    `attention_window`: at most this many owned shards are paused inside a full-attention call
+    at once, each holding its layer input, projections and queries (None: all of them — the
+    most overlap and the most memory; 1: a shard's attention finishes before the next one's
+    starts). The bits do not depend on it.
 
     `resume` / `start_shard` as in `sharded_prefill`: owned shards before `start_shard` are
     restored, not recomputed (their K/V answer queries; a rank's restored end state is handed on
@@ -412,6 +487,8 @@ def wavefront_prefill(
     wavefront: `on_shard(state, s)` then runs for every computed owned shard in order — a crash
     mid-wavefront loses this call's work (the sequential schedule loses one shard's).
     """
+    if attention_window is not None and attention_window < 1:
+        raise ValueError(f"attention_window must be >= 1 or None, got {attention_window}")
     if is_glm(model):
         raise NotImplementedError(
             "wavefront_prefill covers K/V and Gated DeltaNet layers; GLM-5's MLA + DSA layers "
@@ -423,13 +500,14 @@ def wavefront_prefill(
     )  # fmt: skip
     plan = _Plan(model, state, start_shard)
     threads = [_ShardThread(model, state, shard, group) for shard in plan.computed[state.rank]]
+    window = len(threads) if attention_window is None else attention_window
     with torch.no_grad(), _wavefront_installed(model):
         try:
             for thread in threads:
                 report = thread.start()
                 assert report == ("layer", 0), report
             for step in range(plan.num_steps):
-                _run_step(threads, plan, step, group)
+                _run_step(threads, plan, step, group, window)
             assert not any(thread.running for thread in threads), "a shard did not finish"
         finally:
             for thread in threads:

@@ -43,7 +43,13 @@ def _wavefront_bytes(model, state) -> int:
 
 
 def wavefront_against_sequential(
-    rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int, gradients: bool
+    rank: int,
+    world: int,
+    checkpoint: str,
+    prompt_len: int,
+    shard_tokens: int,
+    gradients: bool,
+    attention_window: int | None = None,
 ):
     """The wavefront state against `sharded_prefill`'s, field by field; optionally the exact-mode
     group gradients (replay + `sharded_sweep`, which re-checks every shard bitwise) from both."""
@@ -61,7 +67,9 @@ def wavefront_against_sequential(
     sequential = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
     sequential_bytes = COMM.bytes_sent - before
     before = COMM.bytes_sent
-    wavefront = wavefront_prefill(model, prompt, shard_tokens=shard_tokens)
+    wavefront = wavefront_prefill(
+        model, prompt, shard_tokens=shard_tokens, attention_window=attention_window
+    )
     out: dict = {
         "shards": list(wavefront.shards),
         "sequential_bytes": sequential_bytes,

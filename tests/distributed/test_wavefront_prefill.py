@@ -24,19 +24,24 @@ import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 
 START_METHOD = "fork"
-# (family, ranks, prompt length, shard tokens)
+# (family, ranks, prompt length, shard tokens, attention window: None = all owned shards)
 CASES = [
-    ("llama", 2, 22, 2),
-    ("llama", 3, 200, 33),
-    ("qwen3_5", 2, 22, 2),
-    ("qwen3_5", 3, 22, 2),
-    ("qwen3_5", 3, 200, 33),
-    ("qwen3_next", 2, 22, 2),
+    ("llama", 2, 22, 2, None),
+    ("llama", 3, 200, 33, None),
+    ("qwen3_5", 2, 22, 2, None),
+    ("qwen3_5", 3, 22, 2, None),
+    ("qwen3_5", 3, 200, 33, None),
+    ("qwen3_next", 2, 22, 2, None),
+    # At most 1 / 2 shards inside attention at once: the same bits, other interleavings.
+    ("qwen3_5", 3, 22, 2, 1),
+    ("llama", 3, 22, 2, 2),
 ]
 
 
 @functools.cache
-def _results(checkpoint: str, world: int, prompt_len: int, shard_tokens: int) -> tuple[dict, ...]:
+def _results(
+    checkpoint: str, world: int, prompt_len: int, shard_tokens: int, window: int | None
+) -> tuple[dict, ...]:
     return tuple(
         run_on_ranks(
             wavefront_against_sequential,
@@ -45,16 +50,17 @@ def _results(checkpoint: str, world: int, prompt_len: int, shard_tokens: int) ->
             prompt_len,
             shard_tokens,
             True,
+            window,
             timeout_s=240,
             start_method=START_METHOD,
         )
     )
 
 
-@pytest.fixture(params=CASES, ids=[f"{f}-{w}ranks-P{p}-S{s}" for f, w, p, s in CASES])
+@pytest.fixture(params=CASES, ids=[f"{f}-{w}ranks-P{p}-S{s}-window{n}" for f, w, p, s, n in CASES])
 def results(request, checkpoint_dir):
-    family, world, prompt_len, shard_tokens = request.param
-    return _results(str(checkpoint_dir(family)), world, prompt_len, shard_tokens)
+    family, world, prompt_len, shard_tokens, window = request.param
+    return _results(str(checkpoint_dir(family)), world, prompt_len, shard_tokens, window)
 
 
 def test_wavefront_prefill_state_is_bitwise_the_sequential_state(results):
@@ -121,3 +127,10 @@ def test_wavefront_on_sequence_subgroups_is_bitwise_the_sequential_state(checkpo
     )  # fmt: skip
     assert [r["group_rank"] for r in results] == [0, 1, 0, 1]
     assert all(r["bitwise"] for r in results)
+
+
+def test_attention_window_below_one_is_refused(load_tiny):
+    from longstraw.distributed.wavefront_prefill import wavefront_prefill
+
+    with pytest.raises(ValueError, match="attention_window"):
+        wavefront_prefill(load_tiny("llama"), list(range(10)), shard_tokens=3, attention_window=0)
