@@ -17,10 +17,12 @@ rank, with l = t - r:
      starts layer l from it at step t + 1;
   B. every earlier rank answers with the partial (out, lse) of those queries over ALL its
      positions of layer l (finished: it ran layer l at an earlier step) — as soon as they have
-     arrived, polled between its own shards of phase A, then the rest;
+     arrived (watched by receive threads; looked at between its own shards and while it
+     waits), then the rest;
   C. each shard finishes layer l: the same merge as `sharded_prefill`'s owner — the N partials in
      rank order (earlier ranks', its own over its earlier positions, an empty one per later
-     rank), then the causal in-shard part — so the state is bitwise `sharded_prefill`'s.
+     rank), then the causal in-shard part — so the state is bitwise `sharded_prefill`'s. With
+     `attention_window` w, shard s finishes before shard s + w starts its attention (memory).
 
 No rank receives another rank's K/V. Only point-to-point messages between the ranks that need
 them, each with a tag naming its shard and kind; every rank derives the same plan from (t, the
