@@ -37,7 +37,8 @@ ordinary `run_shard_forward` (transformers' decoder: embeddings, rotary, masks, 
 its own thread, paused by forward pre-hooks at every decoder layer and inside the attention
 function ("longstraw_wavefront") until this rank's main thread, which does all communication,
 resumes it. The threads are coroutines: exactly one thread of a rank computes at any moment, in
-a fixed order, so the result does not depend on thread timing.
+a fixed order, so the result does not depend on thread timing. (Receive-watching threads only
+wait on messages, see `_Arrivals`; which message arrives first changes no value.)
 
 Not covered: GLM-5's MLA + DSA layers (their select-then-attend exchange would need a third
 round per step; `NotImplementedError` names `sharded_prefill`). Resume works as in
@@ -502,7 +503,7 @@ def wavefront_prefill(
     )  # fmt: skip
     plan = _Plan(model, state, start_shard)
     threads = [_ShardThread(model, state, shard, group) for shard in plan.computed[state.rank]]
-    window = len(threads) if attention_window is None else attention_window
+    window = max(1, len(threads)) if attention_window is None else attention_window
     with torch.no_grad(), _wavefront_installed(model):
         try:
             for thread in threads:
