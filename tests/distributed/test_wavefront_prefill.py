@@ -31,6 +31,7 @@ CASES = [
     ("qwen3_5", 2, 22, 2, None),
     ("qwen3_5", 3, 22, 2, None),
     ("qwen3_5", 3, 200, 33, None),
+    ("qwen3", 3, 22, 2, None),
     ("qwen3_next", 2, 22, 2, None),
     # At most 1 / 2 shards inside attention at once: the same bits, other interleavings.
     ("qwen3_5", 3, 22, 2, 1),
