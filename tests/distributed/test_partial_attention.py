@@ -116,3 +116,31 @@ def test_decode_step_merged_over_rank_partials_matches_single_process_decode_att
     )
     want = naive_decode_attention(q, kb, vb, k_prefix, v_prefix, scale=scale)
     _close("decode out", out, want)
+
+
+def test_fused_prefix_partial_matches_the_chunked_loop_and_the_naive_softmax():
+    # V = D (as in every K/V family here): the CPU flash kernel computes the partial.
+    from longstraw.distributed.partial_attention import _chunked_partial, _flash_applies
+
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn(B, H, R, D, generator=gen) * D**-0.5
+    k, v = torch.randn(45, K, D, generator=gen), torch.randn(45, K, D, generator=gen)
+    assert _flash_applies(q, k, v)
+    out, lse = prefix_partial(q, k, v, chunk_size=16)
+    chunked_out, chunked_lse = _chunked_partial(q, k, v, 16)
+    visible = torch.ones(R, 45, dtype=torch.bool)
+    want_out, want_lse = naive_partial(q, k.permute(1, 0, 2).expand(B, -1, -1, -1),
+                                       v.permute(1, 0, 2).expand(B, -1, -1, -1), visible)  # fmt: skip
+    for name, got, want in [
+        ("out vs naive", out, want_out),
+        ("lse vs naive", lse, want_lse),
+        ("out vs chunked", out, chunked_out),
+        ("lse vs chunked", lse, chunked_lse),
+    ]:
+        _close(name, got, want)
+    # Keys stored in bf16 with fp32 queries: the chunked loop (it upcasts one chunk at a time).
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    assert not _flash_applies(q, k16, v16)
+    out16, lse16 = prefix_partial(q, k16, v16, chunk_size=16)
+    want16 = _chunked_partial(q, k16, v16, 16)
+    assert torch.equal(out16, want16[0]) and torch.equal(lse16, want16[1])
