@@ -162,7 +162,9 @@ def causal_partial(q_BHRD: Tensor, k_BKXD: Tensor, v_BKXV: Tensor) -> tuple[Tens
 
     X >= R branch keys, the queries being the last R of them (X > R when decoding over a kept
     overlay; the backward below covers X = R only: decoding runs without autograd).
-    Materialises [B, H, R, X] scores: R and X are a branch or a prefill shard, not the prompt.
+    The fused CPU flash kernel computes it when X = R (its causal mask is top-left aligned) and
+    it applies (see prefix_partial); otherwise [B, H, R, X] scores are materialised: R and X are
+    a branch or a prefill shard, not the prompt.
     """
     dtype = q_BHRD.dtype
     num_heads = q_BHRD.shape[1]
@@ -170,6 +172,9 @@ def causal_partial(q_BHRD: Tensor, k_BKXD: Tensor, v_BKXV: Tensor) -> tuple[Tens
         raise ValueError(
             f"branch keys ({k_BKXD.shape[2]}) must include the {q_BHRD.shape[2]} queries' own keys"
         )
+    if k_BKXD.shape[2] == q_BHRD.shape[2] and _flash_applies(q_BHRD, k_BKXD, v_BKXV):
+        out, lse = _CPU_FLASH(q_BHRD, k_BKXD, v_BKXV, 0.0, True, attn_mask=None, scale=1.0)[:2]
+        return out, lse
     scores_BHRX = _causal_scores(q_BHRD, _per_query_head(k_BKXD.to(dtype), num_heads))
     lse_BHR = torch.logsumexp(scores_BHRX, dim=-1)
     probs_BHRX = (scores_BHRX - lse_BHR[..., None]).exp_()

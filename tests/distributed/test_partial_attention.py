@@ -144,3 +144,18 @@ def test_fused_prefix_partial_matches_the_chunked_loop_and_the_naive_softmax():
     out16, lse16 = prefix_partial(q, k16, v16, chunk_size=16)
     want16 = _chunked_partial(q, k16, v16, 16)
     assert torch.equal(out16, want16[0]) and torch.equal(lse16, want16[1])
+
+
+def test_fused_causal_partial_matches_the_materialised_causal_softmax():
+    # X = R and V = D: the CPU flash kernel (top-left causal mask) computes the branch part.
+    from longstraw.distributed import partial_attention
+
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn(B, H, R, D, generator=gen) * D**-0.5
+    kb, vb = torch.randn(B, K, R, D, generator=gen), torch.randn(B, K, R, D, generator=gen)
+    assert partial_attention._flash_applies(q, kb, vb)
+    out, lse = causal_partial(q, kb, vb)
+    visible = torch.ones(R, R, dtype=torch.bool).tril()
+    want_out, want_lse = naive_partial(q, kb, vb, visible)
+    _close("out", out, want_out)
+    _close("lse", lse, want_lse)
