@@ -7,16 +7,23 @@ See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
 `persisted_sharded_prefill` (one writer per chunk, resume), `wavefront_prefill` (the same
 state on a layer wavefront: all ranks compute at once), `sharded_sample_responses`
 (rollout over the sharded prefix), `sharded_branch_logprobs`,
-`sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`, `scatter_state` /
-`gather_state`; FSDP2 over a ("data", "seq") mesh in `longstraw.distributed.fsdp`.
+`sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`,
+`sharded_group_gradient_slices` (fp32 accumulators sharded over the sequence group,
+`longstraw.distributed.gradient_slices`), `scatter_state` / `gather_state`; FSDP2 over a
+("data", "seq") mesh in `longstraw.distributed.fsdp`.
 """
 
+from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.distributed.persisted_sharded_prefill import (
     ShardedPrefillOutcome,
     persisted_sharded_prefill,
 )
-from longstraw.distributed.sharded_group import reduce_gradients, sharded_group_gradients
+from longstraw.distributed.sharded_group import (
+    reduce_gradients,
+    sharded_group_gradient_slices,
+    sharded_group_gradients,
+)
 from longstraw.distributed.sharded_prefill import sharded_prefill
 from longstraw.distributed.sharded_replay import (
     sharded_branch_logprobs,
@@ -36,10 +43,12 @@ from longstraw.distributed.sharded_state import (
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 
 __all__ = [
+    "GradSlices",
     "RankFailedError",
     "ReplicaDivergenceError",
     "ShardedPrefillOutcome",
     "ShardedPrefixState",
+    "SliceLayout",
     "gather_state",
     "persisted_sharded_prefill",
     "rank_shard_ranges",
@@ -47,6 +56,7 @@ __all__ = [
     "run_on_ranks",
     "scatter_state",
     "sharded_branch_logprobs",
+    "sharded_group_gradient_slices",
     "sharded_group_gradients",
     "sharded_prefill",
     "sharded_sample_responses",

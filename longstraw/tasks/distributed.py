@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Literal
 
 import torch
 from prefect import task
@@ -47,6 +48,9 @@ class ShardedGroupJob(BaseModel):
     """Where the ranks record the prompt state shard by shard (None: kept in memory only)."""
     state_key: StateKey | None = None
     """The prompt state's key in `storage` (required with it)."""
+    schedule: Literal["sequential", "wavefront"] = "sequential"
+    """Prefill schedule (docs/scaling.md "Schedule"): "wavefront" keeps every rank computing
+    (bitwise the same state; K/V families only, GLM-5 raises); "sequential" one shard at a time."""
 
     @model_validator(mode="after")
     def _key_with_storage(self) -> ShardedGroupJob:
@@ -83,17 +87,20 @@ def _rank_gradient(rank: int, world_size: int, job: ShardedGroupJob) -> dict | N
     from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.wavefront_prefill import wavefront_prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(job.checkpoint, dtype=torch.float32)
     model.eval()
     prompt = torch.tensor(job.prompt_ids)
     if job.storage is None:
-        state = sharded_prefill(model, prompt, shard_tokens=job.shard_tokens)
+        prefill = wavefront_prefill if job.schedule == "wavefront" else sharded_prefill
+        state = prefill(model, prompt, shard_tokens=job.shard_tokens)
     else:
         state, _ = persisted_sharded_prefill(
-            model, prompt, shard_tokens=job.shard_tokens, storage=job.storage, key=job.state_key
-        )
+            model, prompt, shard_tokens=job.shard_tokens, storage=job.storage, key=job.state_key,
+            schedule=job.schedule,
+        )  # fmt: skip
     grads, _ = sharded_group_gradients(
         model,
         state,

@@ -21,7 +21,10 @@ from longstraw.tasks.distributed import (
 SEED = 42
 
 
-def test_sharded_backward_task_matches_single_process(checkpoint_dir, load_tiny, tmp_path):
+@pytest.mark.parametrize("schedule", ["sequential", "wavefront"])
+def test_sharded_backward_task_matches_single_process(
+    checkpoint_dir, load_tiny, tmp_path, schedule
+):
     path = checkpoint_dir("qwen3_5")
     gen = torch.Generator().manual_seed(SEED)
     prompt = torch.randint(0, 500, (75,), generator=gen)
@@ -41,6 +44,7 @@ def test_sharded_backward_task_matches_single_process(checkpoint_dir, load_tiny,
         output_dir=str(tmp_path),
         storage=storage,
         state_key=key,
+        schedule=schedule,
     )
     ref = sharded_backward_group.fn(job)
     # The ranks recorded the prompt state and committed it.
