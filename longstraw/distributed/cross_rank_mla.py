@@ -114,6 +114,35 @@ class CrossRankMlaLayer(PrefixMlaLayer):
         self.num_prefix = num_prefix
         self.local_start = local_start
 
+    def gather_candidates(
+        self, layer_idx: int, indexer, q_BSHD: Tensor, weights_BSH: Tensor
+    ) -> list[Tensor]:
+        """Every rank's local top-k candidates for the queries, in rank order (owner mode: the
+        header and the queries are broadcast first). `wavefront_prefill` overrides the exchange."""
+        if self.owner is not None:
+            batch, queries, heads, dim = q_BSHD.shape
+            header = _header(OP_MLA_SELECT, (layer_idx, batch, queries, heads, dim, 0))
+            _broadcast(header, self.owner, self.group)
+            _broadcast(pack_index_queries(q_BSHD, weights_BSH), self.owner, self.group)
+        return _gathered_candidates(
+            indexer, q_BSHD, weights_BSH, self.prefix_index_TD, self.local_start,
+            indexer.index_topk, self.group,
+        )  # fmt: skip
+
+    def prefix_attention(
+        self,
+        q_lat_BHSR: Tensor,
+        q_rot_BHSE: Tensor,
+        layer_idx: int,
+        selected_BSK: Tensor | None,
+        scale: float,
+        needs_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """(out, lse) of the queries over the whole sharded visible prefix (fp32 queries)."""
+        return _CrossRankLatentPrefix.apply(
+            q_lat_BHSR, q_rot_BHSE, self, layer_idx, selected_BSK, scale, needs_grad
+        )
+
 
 def _all_gather(t: Tensor, group) -> list[Tensor]:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -169,6 +198,20 @@ def _gathered_candidates(indexer, q_BSHD, weights_BSH, layer_index_TD, local_sta
     return _all_gather(local, group)
 
 
+def pack_index_queries(q_BSHD: Tensor, weights_BSH: Tensor) -> Tensor:
+    """[B, S, Hi, Di + 1] fp32: the indexer queries and weights as they travel to serving ranks."""
+    return torch.cat([q_BSHD.float(), weights_BSH.float()[..., None]], dim=-1).contiguous()
+
+
+def serve_candidates(indexer, packed_BSHD1: Tensor, index_TD: Tensor, local_start: int) -> Tensor:
+    """A serving rank's local top-k candidates for packed indexer queries (`pack_index_queries`)."""
+    dim = packed_BSHD1.shape[-1] - 1
+    return local_topk_candidates(
+        indexer, packed_BSHD1[..., :dim], packed_BSHD1[..., dim], index_TD, local_start,
+        indexer.index_topk,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def sharded_dsa_selection(
     layer: CrossRankMlaLayer,
@@ -187,16 +230,7 @@ def sharded_dsa_selection(
         return None
     parts = []
     if num_prefix > 0:
-        if layer.owner is not None:
-            heads, dim = q_BSHD.shape[2:]
-            header = _header(OP_MLA_SELECT, (layer_idx, batch, queries, heads, dim, 0))
-            _broadcast(header, layer.owner, layer.group)
-            packed = torch.cat([q_BSHD.float(), weights_BSH.float()[..., None]], dim=-1)
-            _broadcast(packed.contiguous(), layer.owner, layer.group)
-        parts = _gathered_candidates(
-            indexer, q_BSHD, weights_BSH, layer.prefix_index_TD, layer.local_start, topk,
-            layer.group,
-        )  # fmt: skip
+        parts = layer.gather_candidates(layer_idx, indexer, q_BSHD, weights_BSH)
     # The branch's own positions, scored and causally masked as the single-process selection.
     branch_BSX = index_scores(indexer, q_BSHD, weights_BSH, branch_index_BXD)
     query_pos = torch.arange(branch_len - queries, branch_len, device=q_BSHD.device)
@@ -257,12 +291,31 @@ def _local_backward(out_BHSR, lse_BHS, leaves, grad_out_BHSR, lse_m_BHS, delta_B
     )
 
 
-def _pack_partial(out_BHSR: Tensor, lse_BHS: Tensor) -> Tensor:
+def pack_partial(out_BHSR: Tensor, lse_BHS: Tensor) -> Tensor:
+    """[B, H, S, R + 1]: a rank's partial as it travels."""
     return torch.cat([out_BHSR, lse_BHS[..., None]], dim=-1).contiguous()
 
 
-def _merged(parts: list[Tensor]) -> tuple[Tensor, Tensor]:
+def merged_partials(parts: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The ranks' packed partials (rank order) merged by log-sum-exp: the prefix (out, lse)."""
     return merge_partials([p[..., :-1] for p in parts], [p[..., -1] for p in parts])
+
+
+def pack_latent_queries(q_lat_BHSR: Tensor, q_rot_BHSE: Tensor) -> Tensor:
+    """[B, H, S, R + E]: the absorbed queries as they travel to serving ranks."""
+    return torch.cat([q_lat_BHSR, q_rot_BHSE], dim=-1).contiguous()
+
+
+def rank_partial(
+    q_lat_BHSR, q_rot_BHSE, latent_TR, rope_TE, selected_BSK, local_start, scale, grads=None,
+    needs_grad=False,
+):  # fmt: skip
+    """(out, lse, leaves) of the queries over one rank's latents [local_start, ...), restricted to
+    the selected global positions it holds (the owner's own share and a serving rank's)."""
+    return _local_partial(
+        q_lat_BHSR, q_rot_BHSE, latent_TR, rope_TE, _local_selection(selected_BSK, local_start),
+        scale, (None, None) if grads is None else grads, needs_grad,
+    )  # fmt: skip
 
 
 class _CrossRankLatentPrefix(torch.autograd.Function):
@@ -275,17 +328,15 @@ class _CrossRankLatentPrefix(torch.autograd.Function):
             num_selected = 0 if selected_BSK is None else selected_BSK.shape[-1]
             header = (layer_idx, batch, heads, queries, num_selected, int(needs_grad))
             _broadcast(_header(OP_MLA_FORWARD, header), layer.owner, layer.group)
-            _broadcast(
-                torch.cat([q_lat_BHSR, q_rot_BHSE], dim=-1).contiguous(), layer.owner, layer.group
-            )
+            _broadcast(pack_latent_queries(q_lat_BHSR, q_rot_BHSE), layer.owner, layer.group)
             if selected_BSK is not None:
                 _broadcast(selected_BSK.contiguous(), layer.owner, layer.group)
         grads = (layer.grad_latent_TR, layer.grad_rope_TE)
-        out_r, lse_r, leaves = _local_partial(
-            q_lat_BHSR, q_rot_BHSE, layer.prefix_latent_TR, layer.prefix_rope_TE,
-            _local_selection(selected_BSK, layer.local_start), scale, grads, needs_grad,
+        out_r, lse_r, leaves = rank_partial(
+            q_lat_BHSR, q_rot_BHSE, layer.prefix_latent_TR, layer.prefix_rope_TE, selected_BSK,
+            layer.local_start, scale, grads, needs_grad,
         )  # fmt: skip
-        out_BHSR, lse_BHS = _merged(_all_gather(_pack_partial(out_r, lse_r), layer.group))
+        out_BHSR, lse_BHS = merged_partials(_all_gather(pack_partial(out_r, lse_r), layer.group))
         ctx.save_for_backward(out_BHSR, lse_BHS)
         # Query-sized: this rank's partial and its graph (the latents are the state's own views).
         ctx.local = (out_r, lse_r, leaves)
@@ -333,9 +384,7 @@ def sharded_latent_attention(
     if num_prefix == 0:
         return out
     needs_grad = torch.is_grad_enabled() and (q_lat.requires_grad or q_rot.requires_grad)
-    out_p, lse_p = _CrossRankLatentPrefix.apply(
-        q_lat, q_rot, layer, layer_idx, selected_BSK, scale, needs_grad
-    )
+    out_p, lse_p = layer.prefix_attention(q_lat, q_rot, layer_idx, selected_BSK, scale, needs_grad)
     return _merge(out_p, lse_p, out, lse)
 
 
@@ -387,7 +436,8 @@ def sharded_mla_forward(
     return self.o_proj(out), None, selected
 
 
-def _attention_modules(model: PreTrainedModel) -> dict[int, GlmMoeDsaAttention]:
+def attention_modules(model: PreTrainedModel) -> dict[int, GlmMoeDsaAttention]:
+    """GLM's attention modules by layer index."""
     return {m.layer_idx: m for m in model.modules() if isinstance(m, GlmMoeDsaAttention)}
 
 
@@ -395,7 +445,7 @@ def _attention_modules(model: PreTrainedModel) -> dict[int, GlmMoeDsaAttention]:
 def cross_rank_mla_installed(model: PreTrainedModel) -> Iterator[None]:
     """Inside the block, every GLM attention module runs `sharded_mla_forward` and the MoE
     routers the engine's stable top-k (as `prefix_attention_enabled` does single-process)."""
-    modules = list(_attention_modules(model).values())
+    modules = list(attention_modules(model).values())
     previous = [m.__dict__.get("forward") for m in modules]
     for module in modules:
         module.forward = types.MethodType(sharded_mla_forward, module)
@@ -430,7 +480,7 @@ def serve_mla_owner(
     slices. `prefix_index_TD[slot]` is None on `shared` layers. `on_gradient_slices` answers the
     owner's `OP_GRADIENT_SLICES` headers, as in `serve_owner`.
     """
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     local: dict[int, tuple] = {}
     served = 0
     while True:
@@ -445,12 +495,11 @@ def serve_mla_owner(
         if op == OP_MLA_SELECT:
             batch, queries, heads, dim, _ = dims
             packed = _broadcast(torch.empty(batch, queries, heads, dim + 1), owner, group)
-            indexer = modules[layer_idx].indexer
             with torch.no_grad():
-                _gathered_candidates(
-                    indexer, packed[..., :dim], packed[..., dim], prefix_index_TD[layer_idx],
-                    local_start, indexer.index_topk, group,
-                )  # fmt: skip
+                local_candidates = serve_candidates(
+                    modules[layer_idx].indexer, packed, prefix_index_TD[layer_idx], local_start
+                )
+                _all_gather(local_candidates, group)
         elif op == OP_MLA_FORWARD:
             batch, heads, queries, num_selected, needs_grad = dims
             rank = prefix_latent_TR[layer_idx].shape[-1]
@@ -466,12 +515,12 @@ def serve_mla_owner(
                 None if grad_rope_TE is None else grad_rope_TE[layer_idx],
             )
             module = modules[layer_idx]
-            out_r, lse_r, leaves = _local_partial(
+            out_r, lse_r, leaves = rank_partial(
                 q[..., :rank], q[..., rank:], prefix_latent_TR[layer_idx],
-                prefix_rope_TE[layer_idx], _local_selection(selected, local_start),
-                module.scaling, grads, bool(needs_grad),
+                prefix_rope_TE[layer_idx], selected, local_start, module.scaling, grads,
+                bool(needs_grad),
             )  # fmt: skip
-            _all_gather(_pack_partial(out_r, lse_r), group)
+            _all_gather(pack_partial(out_r, lse_r), group)
             local[layer_idx] = (out_r, lse_r, leaves)
         else:
             assert op == OP_MLA_BACKWARD, f"unknown op {op} from the owner"

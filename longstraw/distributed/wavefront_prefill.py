@@ -40,8 +40,11 @@ resumes it. The threads are coroutines: exactly one thread of a rank computes at
 a fixed order, so the result does not depend on thread timing. (Receive-watching threads only
 wait on messages, see `_Arrivals`; which message arrives first changes no value.)
 
-Not covered: GLM-5's MLA + DSA layers (their select-then-attend exchange would need a third
-round per step; `NotImplementedError` names `sharded_prefill`). Resume works as in
+GLM-5's MLA + DSA layers: the shard thread runs `sharded_mla_forward` on `_WavefrontMlaLayer`s,
+which pause twice on a selecting layer — ("select", indexer queries) -> the earlier ranks' local
+top-k candidates, then ("mla", absorbed queries + selection) -> their partials — and once
+otherwise (dense regime, `shared` layers); the candidates and partials are completed and merged
+in `sharded_prefill`'s order with `cross_rank_mla`'s own functions. Resume works as in
 `sharded_prefill`; persistence records shards only when the whole wavefront is done
 (`persisted_sharded_prefill(..., schedule="wavefront")`). See docs/scaling.md, "Schedule".
 """
@@ -64,6 +67,18 @@ from longstraw.distributed.cross_rank_attention import (
     COMM,
     CrossRankAttentionLayer,
 )
+from longstraw.distributed.cross_rank_mla import (
+    CrossRankMlaLayer,
+    attention_modules,
+    cross_rank_mla_installed,
+    local_topk_candidates,
+    merged_partials,
+    pack_index_queries,
+    pack_latent_queries,
+    pack_partial,
+    rank_partial,
+    serve_candidates,
+)
 from longstraw.distributed.partial_attention import causal_partial, merge_partials, prefix_partial
 from longstraw.distributed.sharded_prefill import (
     broadcast_final_linear_state,
@@ -77,9 +92,11 @@ from longstraw.models.adapters import decoder_of
 from longstraw.models.glm import is_glm
 
 ATTENTION_NAME = "longstraw_wavefront"
-# Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind).
-_QUERY, _PARTIAL, _CONV, _RECURRENT = range(4)
-_KINDS = 4
+# Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind). GLM-5's MLA
+# layers: _QUERY carries the absorbed queries, _PARTIAL the latent partials, and a selecting layer
+# adds _INDEX_QUERY (indexer queries) -> _CANDIDATES (local top-k), and _SELECTION.
+_QUERY, _PARTIAL, _CONV, _RECURRENT, _INDEX_QUERY, _CANDIDATES, _SELECTION = range(7)
+_KINDS = 7
 # Seconds a rank waits for a paused shard thread to join at the end (they are all finished).
 _JOIN_S = 30.0
 # No message at all for this long while waiting: a rank is stuck (gloo's default timeout).
@@ -103,6 +120,9 @@ class _ShardThread:
     def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, shard: int, group):
         self.shard = shard
         cache = owner_prefill_cache(state, shard, group=group)
+        for layer in cache.layers:
+            if isinstance(layer, CrossRankMlaLayer):
+                layer.__class__ = _WavefrontMlaLayer  # the same layer, exchanges via pauses
         self._args = (model, state.prompt_ids, cache, *state.bounds[shard])
         self._resume: queue.Queue = queue.Queue(maxsize=1)
         self._report: queue.Queue = queue.Queue(maxsize=1)
@@ -211,9 +231,48 @@ def wavefront_attention(
 AttentionInterface.register(ATTENTION_NAME, wavefront_attention)
 
 
+class _WavefrontMlaLayer(CrossRankMlaLayer):
+    """GLM-5's owner-mode MLA layer with both exchanges done by the main thread.
+
+    The shard thread pauses with ("select", packed indexer queries) and gets the earlier ranks'
+    local top-k candidates, then with ("mla", (packed absorbed queries, selection)) and gets
+    their packed partials. This rank's own share and the empty shares of later ranks are computed
+    here with the functions their owners would use, so the candidates and the partials reach
+    `global_topk` / `merged_partials` in the same order with the same bits as in
+    `sharded_prefill`'s all_gathers.
+    """
+
+    def _later(self, earlier: int) -> int:
+        return dist.get_world_size(self.group) - earlier - 1
+
+    def gather_candidates(self, layer_idx, indexer, q_BSHD, weights_BSH):
+        shard_thread = _current.shard_thread
+        earlier = shard_thread.pause("select", pack_index_queries(q_BSHD, weights_BSH))
+        topk = indexer.index_topk
+        index_TD = self.prefix_index_TD
+        own = local_topk_candidates(indexer, q_BSHD, weights_BSH, index_TD, self.local_start, topk)
+        empty = local_topk_candidates(indexer, q_BSHD, weights_BSH, index_TD[:0], 0, topk)
+        return [*earlier, own, *[empty] * self._later(len(earlier))]
+
+    def prefix_attention(self, q_lat_BHSR, q_rot_BHSE, layer_idx, selected_BSK, scale, needs_grad):
+        assert not needs_grad, "the wavefront prefill keeps no graph"
+        shard_thread = _current.shard_thread
+        packed_q = pack_latent_queries(q_lat_BHSR, q_rot_BHSE)
+        earlier = shard_thread.pause("mla", (packed_q, selected_BSK))
+        lat_TR, rope_TE = self.prefix_latent_TR, self.prefix_rope_TE
+        own, empty = (
+            pack_partial(*rank_partial(
+                q_lat_BHSR, q_rot_BHSE, lat, rope, selected_BSK, self.local_start, scale
+            )[:2])
+            for lat, rope in ((lat_TR, rope_TE), (lat_TR[:0], rope_TE[:0]))
+        )  # fmt: skip
+        return merged_partials([*earlier, own, *[empty] * self._later(len(earlier))])
+
+
 @contextlib.contextmanager
 def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
-    """The attention function and the per-layer pause hooks, for the duration of the block."""
+    """The attention function (GLM-5: the sharded MLA forward) and the per-layer pause hooks,
+    for the duration of the block."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
@@ -221,8 +280,10 @@ def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
         layer.register_forward_pre_hook(_pause_before_layer(i))
         for i, layer in enumerate(decoder_of(model).layers)
     ]
+    family = cross_rank_mla_installed(model) if is_glm(model) else contextlib.nullcontext()
     try:
-        yield
+        with family:
+            yield
     finally:
         for handle in handles:
             handle.remove()
@@ -250,6 +311,46 @@ class _Plan:
         self.query_dims = None if fa is None else (heads, fa.head_dim)
         self.partial_dims = None if fa is None else (heads, fa.value_head_dim + 1)
         self.device = model.device
+        # GLM-5: MLA slot = layer index; the indexer whose selection layer l uses (its own, or a
+        # `shared` layer's previous full layer; None: no selection at all).
+        self.mla = mla = spec.mla
+        self.mla_layers = frozenset() if mla is None else frozenset(mla.layer_indices)
+        if mla is not None:
+            self.mla_modules = attention_modules(model)
+            indexed = mla.indexer_layer_indices
+            self.selection_source = {
+                layer: max((i for i in indexed if i <= layer), default=None)
+                for layer in mla.layer_indices
+            }
+            if indexed:
+                indexer = self.mla_modules[indexed[0]].indexer
+                self.index_query_dims = (indexer.n_heads, indexer.head_dim + 1)
+            self.latent_query_dims = (heads, mla.kv_lora_rank + mla.rope_dim)
+            self.latent_partial_dims = (heads, mla.kv_lora_rank + 1)
+
+    def topk(self, layer: int) -> int:
+        return self.mla_modules[self.selection_source[layer]].indexer.index_topk
+
+    def sparse(self, layer: int, shard: int) -> bool:
+        """Whether `shard`'s queries at MLA layer `layer` attend a DSA selection (T + X > K)."""
+        source = self.selection_source[layer]
+        return source is not None and self.state.bounds[shard][1] > self.topk(layer)
+
+    def selects(self, layer: int, shard: int) -> bool:
+        """Whether `shard` exchanges indexer queries / candidates at `layer` (its own indexer,
+        a selection, positions before it)."""
+        return (
+            self.selection_source[layer] == layer
+            and self.sparse(layer, shard)
+            and self.state.bounds[shard][0] > 0
+        )
+
+    def tensor(self, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.empty(*shape, dtype=dtype, device=self.device)
+
+    def length(self, shard: int) -> int:
+        start, end = self.state.bounds[shard]
+        return end - start
 
     @property
     def num_steps(self) -> int:
@@ -329,16 +430,21 @@ class _Step:
         self.sends: list = []
         self.linear_recvs: list = []
         self.arrivals = _Arrivals()
-        # Later ranks' queries: (requester, shard, buffer), answered in `serve_ready`.
-        self.requests: list[tuple[int, int, Tensor]] = []
+        # Later ranks' queries: (requester, shard, buffer, GLM selection buffer or None),
+        # answered in `serve_ready`; GLM's indexer queries: (requester, shard, buffer).
+        self.requests: list[tuple[int, int, Tensor, Tensor | None]] = []
+        self.index_requests: list[tuple[int, int, Tensor]] = []
         for other in range(rank + 1, state.world_size):
-            if plan.layer_of(other, step) in plan.full_slot:
+            other_layer = plan.layer_of(other, step)
+            if other_layer in plan.full_slot:
                 stream = []
                 for shard in plan.computed[other]:
                     q = plan.buffer(shard, plan.query_dims)
                     stream.append(((_QUERY, other, shard), self._recv(q, other, shard, _QUERY)))
-                    self.requests.append((other, shard, q))
+                    self.requests.append((other, shard, q, None))
                 self.arrivals.watch(stream)
+            elif other_layer in plan.mla_layers:
+                self._post_mla_requests(other, other_layer)
         # Earlier ranks' partials for this rank's queries: packed buffers per shard, rank order.
         self.partials: dict[int, list[Tensor]] = {}
         if self.layer in plan.full_slot:
@@ -352,6 +458,10 @@ class _Step:
                     self.partials[shard].append(packed)
             for stream in streams:
                 self.arrivals.watch(stream)
+        # GLM-5: earlier ranks' candidates (selecting layers) and packed partials per shard.
+        self.candidates: dict[int, list[Tensor]] = {}
+        if self.layer in plan.mla_layers:
+            self._post_mla_answers()
         previous = None if rank == 0 else plan.layer_of(rank - 1, step)
         if previous in plan.linear_slot:
             # Layer `previous` of this rank's first shard starts from it at the next step.
@@ -361,6 +471,50 @@ class _Step:
                 (state.recurrent[slot, 0], _RECURRENT),
             ):
                 self.linear_recvs.append(self._recv(buffer, rank - 1, last, kind))
+
+    def _post_mla_requests(self, other: int, layer: int) -> None:
+        """Receives of a later rank's MLA requests at `layer`: one stream per kind (each kind is
+        sent in shard order; the kinds interleave differently with the attention window)."""
+        plan = self.plan
+        streams: dict[int, list] = {_INDEX_QUERY: [], _QUERY: [], _SELECTION: []}
+
+        def post(buffer: Tensor, shard: int, kind: int) -> Tensor:
+            streams[kind].append(((kind, other, shard), self._recv(buffer, other, shard, kind)))
+            return buffer
+
+        for shard in plan.computed[other]:
+            length = plan.length(shard)
+            if plan.selects(layer, shard):
+                q_index = plan.tensor(1, length, *plan.index_query_dims)
+                self.index_requests.append((other, shard, post(q_index, shard, _INDEX_QUERY)))
+            q = post(plan.buffer(shard, plan.latent_query_dims), shard, _QUERY)
+            selection = None
+            if plan.sparse(layer, shard):
+                selection = plan.tensor(1, length, plan.topk(layer), dtype=torch.int64)
+                post(selection, shard, _SELECTION)
+            self.requests.append((other, shard, q, selection))
+        for stream in streams.values():
+            self.arrivals.watch(stream)
+
+    def _post_mla_answers(self) -> None:
+        """Receives of the earlier ranks' candidates and partials for this rank's shards."""
+        plan, layer = self.plan, self.layer
+        streams: list[list] = [[] for _ in range(2 * self.rank)]
+        for shard in plan.computed[self.rank]:
+            self.candidates[shard], self.partials[shard] = [], []
+            for other in range(self.rank):
+                if plan.selects(layer, shard):
+                    shape = (1, plan.length(shard), plan.topk(layer), 2)
+                    found = plan.tensor(*shape, dtype=torch.float64)
+                    work = self._recv(found, other, shard, _CANDIDATES)
+                    streams[2 * other].append(((_CANDIDATES, other, shard), work))
+                    self.candidates[shard].append(found)
+                packed = plan.buffer(shard, plan.latent_partial_dims)
+                work = self._recv(packed, other, shard, _PARTIAL)
+                streams[2 * other + 1].append(((_PARTIAL, other, shard), work))
+                self.partials[shard].append(packed)
+        for stream in streams:
+            self.arrivals.watch(stream)
 
     def _recv(self, buffer: Tensor, src: int, shard: int, kind: int):
         return dist.irecv(buffer, group=self.group, group_src=src, tag=shard * _KINDS + kind)
@@ -373,6 +527,44 @@ class _Step:
     def send_queries(self, shard: int, q_s: Tensor) -> None:
         for other in range(self.rank):
             self._send(q_s, other, shard, _QUERY)
+
+    def send_request(self, shard: int, kind: str, payload) -> None:
+        """A paused shard's queries to every earlier rank ("attention": K/V queries; GLM-5:
+        "select" packed indexer queries, "mla" packed absorbed queries and the selection)."""
+        plan, layer = self.plan, self.layer
+        if kind == "attention":
+            expected = plan.buffer(shard, plan.query_dims).shape
+            if payload.shape != expected:
+                raise RuntimeError(
+                    f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
+                    "family's attention is not supported by wavefront_prefill; use sharded_prefill"
+                )
+            self.send_queries(shard, payload)
+            return
+        if kind == "select":
+            assert plan.selects(layer, shard), (layer, shard)
+            for other in range(self.rank):
+                self._send(payload, other, shard, _INDEX_QUERY)
+            return
+        assert kind == "mla", kind
+        q, selection = payload
+        if (selection is not None) != plan.sparse(layer, shard):
+            raise RuntimeError(f"layer {layer} shard {shard}: DSA regime differs from the plan")
+        for other in range(self.rank):
+            self._send(q, other, shard, _QUERY)
+            if selection is not None:
+                self._send(selection.contiguous(), other, shard, _SELECTION)
+
+    def answers(self, shard: int, kind: str) -> list:
+        """What a paused shard resumes with: the earlier ranks' answers, in rank order."""
+        if kind == "attention":
+            return self.earlier_partials(shard)
+        code, found = (
+            (_CANDIDATES, self.candidates) if kind == "select" else (_PARTIAL, self.partials)
+        )
+        keys = [(code, other, shard) for other in range(self.rank)]
+        self._serve_until(lambda: all(key in self.arrivals.arrived for key in keys))
+        return found[shard]
 
     def send_linear_state(self) -> None:
         """The end-of-range state of this step's Gated DeltaNet layer, to the next rank."""
@@ -388,13 +580,39 @@ class _Step:
         rank's positions of the requester's layer (finished: this rank ran it at an earlier
         step), packed as `_gather_partials` packs it."""
         self.arrivals.collect(block=False)
-        state, pending = self.plan.state, []
+        plan, arrived = self.plan, self.arrivals.arrived
+        state, pending, index_pending = plan.state, [], []
+        for request in self.index_requests:
+            # GLM-5: this rank's local top-k candidates, as `serve_mla_owner` computes them.
+            requester, shard, q_index = request
+            if (_INDEX_QUERY, requester, shard) not in arrived:
+                index_pending.append(request)
+                continue
+            layer = plan.layer_of(requester, self.step)
+            index_TD = state.indexer_key[plan.mla.indexer_slot(layer)]
+            indexer = plan.mla_modules[layer].indexer
+            found = serve_candidates(indexer, q_index, index_TD, state.token_start)
+            self._send(found, requester, shard, _CANDIDATES)
+        self.index_requests = index_pending
         for request in self.requests:
-            requester, shard, q = request
-            if (_QUERY, requester, shard) not in self.arrivals.arrived:
+            requester, shard, q, selection = request
+            if (_QUERY, requester, shard) not in arrived or (
+                selection is not None and (_SELECTION, requester, shard) not in arrived
+            ):
                 pending.append(request)
                 continue
-            slot = self.plan.full_slot[self.plan.layer_of(requester, self.step)]
+            layer = plan.layer_of(requester, self.step)
+            if layer in plan.mla_layers:
+                # GLM-5: the partial over this rank's selected latents, as `serve_mla_owner`.
+                slot, rank_dim = plan.mla.layer_indices.index(layer), plan.mla.kv_lora_rank
+                out, lse, _ = rank_partial(
+                    q[..., :rank_dim], q[..., rank_dim:], state.latent[slot],
+                    state.rope_key[slot], selection, state.token_start,
+                    plan.mla_modules[layer].scaling,
+                )  # fmt: skip
+                self._send(pack_partial(out, lse), requester, shard, _PARTIAL)
+                continue
+            slot = plan.full_slot[layer]
             out, lse = prefix_partial(
                 q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
             )
@@ -414,7 +632,7 @@ class _Step:
 
     def serve_all(self) -> None:
         """Answer every later rank's queries of this step."""
-        self._serve_until(lambda: not self.requests)
+        self._serve_until(lambda: not self.requests and not self.index_requests)
 
     def earlier_partials(self, shard: int) -> list[tuple[Tensor, Tensor]]:
         """The earlier ranks' (out, lse) for `shard`'s queries, in rank order (views, as the
@@ -433,26 +651,30 @@ def _run_step(threads: list[_ShardThread], plan: _Plan, step: int, group, window
     owned shards are paused inside their attention call at once."""
     messages = _Step(plan, step, group)
     layer = messages.layer
-    if layer in plan.full_slot:
-        in_attention: collections.deque[_ShardThread] = collections.deque()
+    if layer in plan.full_slot or layer in plan.mla_layers:
+        # Shards paused for the earlier ranks' answers, oldest first, with what they wait for.
+        waiting: collections.deque[tuple[_ShardThread, str]] = collections.deque()
+
+        def advance(thread: _ShardThread, report: tuple[str, object]) -> None:
+            kind, payload = report
+            if kind in ("layer", "done"):
+                return  # layer finished (GLM-5: a shard with no prefix pauses nowhere)
+            assert kind in ("attention", "select", "mla"), (kind, layer)
+            # A: the queries leave at once.
+            messages.send_request(thread.shard, kind, payload)
+            waiting.append((thread, kind))
+
         for thread in threads:
-            # A: up to the attention call; the queries leave at once.
-            kind, payload = thread.resume()
-            assert kind == "attention", (kind, layer)
-            expected = plan.buffer(thread.shard, plan.query_dims).shape
-            if payload.shape != expected:
-                raise RuntimeError(
-                    f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
-                    "family's attention is not supported by wavefront_prefill; use sharded_prefill"
-                )
-            messages.send_queries(thread.shard, payload)
-            in_attention.append(thread)
+            # A: up to the attention call (GLM-5 selecting layers: the indexer queries first).
+            advance(thread, thread.resume())
+            if layer in plan.full_slot:
+                assert waiting and waiting[-1][0] is thread, "no attention call"
             messages.serve_ready()
-            while len(in_attention) >= window or (in_attention and thread is threads[-1]):
-                # C: merge the earlier ranks' partials, finish the layer.
-                oldest = in_attention.popleft()
-                kind, _ = oldest.resume(messages.earlier_partials(oldest.shard))
-                assert kind in ("layer", "done"), kind
+            while len(waiting) >= window or (waiting and thread is threads[-1]):
+                # C: the earlier ranks' answers (GLM-5 candidates: select, then send the
+                # absorbed queries; partials: merge, finish the layer).
+                oldest, kind = waiting.popleft()
+                advance(oldest, oldest.resume(messages.answers(oldest.shard, kind)))
     elif layer is not None:
         # A for a Gated DeltaNet layer: through it, then the end state to the next rank.
         for thread in threads:
@@ -492,11 +714,6 @@ def wavefront_prefill(
     """
     if attention_window is not None and attention_window < 1:
         raise ValueError(f"attention_window must be >= 1 or None, got {attention_window}")
-    if is_glm(model):
-        raise NotImplementedError(
-            "wavefront_prefill covers K/V and Gated DeltaNet layers; GLM-5's MLA + DSA layers "
-            "prefill with the sequential schedule: use sharded_prefill"
-        )
     state = prefill_target(
         model, prompt_ids, shard_tokens=shard_tokens, group=group, resume=resume,
         start_shard=start_shard,

@@ -50,7 +50,7 @@ class ShardedGroupJob(BaseModel):
     """The prompt state's key in `storage` (required with it)."""
     schedule: Literal["sequential", "wavefront"] = "sequential"
     """Prefill schedule (docs/scaling.md "Schedule"): "wavefront" keeps every rank computing
-    (bitwise the same state; K/V families only, GLM-5 raises); "sequential" one shard at a time."""
+    (bitwise the same state); "sequential" one shard at a time."""
 
     @model_validator(mode="after")
     def _key_with_storage(self) -> ShardedGroupJob:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 
 import torch
-from _workers import _group
+from _workers import _group, _set_index_topk
 
-# Every per-rank tensor of a K/V or Gated DeltaNet state (None where the family has none).
-STATE_FIELDS = ("keys", "values", "conv", "recurrent", "final_conv", "final_recurrent")
+# Every per-rank tensor of a K/V, Gated DeltaNet or GLM-5 MLA state (None where the family has
+# none).
+STATE_FIELDS = (
+    "keys", "values", "conv", "recurrent", "final_conv", "final_recurrent", "latent", "rope_key",
+    "indexer_key",
+)  # fmt: skip
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,6 +43,47 @@ def _wavefront_bytes(model, state) -> int:
         total += len(fa.layer_indices) * (queries + partials)
     if spec.linear_attention is not None and rank + 1 < world:
         total += sum(t[:, -1].numel() * t.element_size() for t in (state.conv, state.recurrent))
+    if spec.mla is not None:
+        total += _glm_wavefront_bytes(model, state)
+    return total
+
+
+def _glm_wavefront_bytes(model, state) -> int:
+    """GLM-5 (H heads, R latent rank, E rope dim, K `index_topk`, Hi / Di indexer heads / dim):
+    per MLA layer, every shard of S queries with positions before it sends each earlier rank its
+    absorbed queries (H·S·(R+E)·4 B) and gets the partial (H·S·(R+1)·4 B); where it attends a
+    DSA selection (start + S > K) the selection goes too (S·K·8 B), and on a layer with its own
+    indexer, first its indexer queries (S·Hi·(Di+1)·4 B) for the local top-k candidates
+    (S·K·2·8 B). Bytes this rank SENDS: its requests to earlier ranks, its answers to later ones."""
+    from longstraw.distributed.sharded_state import rank_shard_ranges
+
+    mla, world, rank = state.spec.mla, state.world_size, state.rank
+    heads = model.config.get_text_config().num_attention_heads
+    rank_dim, rope = mla.kv_lora_rank, mla.rope_dim
+    ranges = rank_shard_ranges(state.num_shards, world)
+    config = model.config.get_text_config()
+    topk, index_heads, index_dim = config.index_topk, config.index_n_heads, config.index_head_dim
+    total = 0
+    for r in range(1, world):
+        if r != rank and r <= rank:
+            continue
+        # Rank r's shards, each with `rank` (requests) or one (answers to this rank) peers.
+        peers = rank if r == rank else 1
+        for shard in ranges[r]:
+            start, end = state.bounds[shard]
+            length = end - start
+            for layer in mla.layer_indices:
+                source = max((i for i in mla.indexer_layer_indices if i <= layer), default=None)
+                sparse = source is not None and end > topk
+                selects = sparse and source == layer
+                if r == rank:
+                    sent = heads * length * (rank_dim + rope) * 4
+                    sent += length * topk * 8 if sparse else 0
+                    sent += length * index_heads * (index_dim + 1) * 4 if selects else 0
+                else:
+                    sent = heads * length * (rank_dim + 1) * 4
+                    sent += length * topk * 2 * 8 if selects else 0
+                total += peers * sent
     return total
 
 
@@ -50,6 +95,7 @@ def wavefront_against_sequential(
     shard_tokens: int,
     gradients: bool,
     attention_window: int | None = None,
+    index_topk: int | None = None,
 ):
     """The wavefront state against `sharded_prefill`'s, field by field; optionally the exact-mode
     group gradients (replay + `sharded_sweep`, which re-checks every shard bitwise) from both."""
@@ -62,6 +108,8 @@ def wavefront_against_sequential(
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
+    if index_topk is not None:  # GLM-5: the DSA top-k (2**20: the dense regime)
+        _set_index_topk(model, index_topk)
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     before = COMM.bytes_sent
     sequential = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
