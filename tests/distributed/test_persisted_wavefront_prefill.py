@@ -27,6 +27,8 @@ CASES = [
     # Rank 0 resumes inside its own range on the wavefront (restored and computed shards mixed).
     ("llama", 2, "sequential", "wavefront", 0, 1, [(2, 2, 0), (3, 0, 1)]),
     ("qwen3_5", 2, "wavefront", "sequential", 0, 2, [(1, 3, 0), (3, 0, 1)]),
+    # GLM-5 (MLA + sparse DSA): restored latents and indexer keys answer both exchanges.
+    ("glm_moe_dsa", 2, "sequential", "wavefront", 0, 1, [(2, 2, 0), (3, 0, 1)]),
     # Rank 2 dies mid-wavefront (-1: inside a decoder layer): the wavefront records a rank's
     # shards only at its end, so nothing was recorded and the rerun computes all 7.
     ("qwen3_5", 3, "wavefront", "wavefront", 2, -1, [(3, 0, 0), (2, 0, 1), (2, 0, 1)]),
