@@ -87,15 +87,40 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats, attentio
             out.setdefault(f"{name}_cpu_s", []).append(time.process_time() - cpu)
             out[f"{name}_bytes_sent"] = cra.COMM.bytes_sent - before
     sequential, wavefront = states["sequential"], states["wavefront"]
-    out["bitwise"] = all(
-        torch.equal(getattr(wavefront, n), getattr(sequential, n))
-        for n in ("keys", "values", "conv", "recurrent", "final_conv", "final_recurrent")
-        if getattr(sequential, n) is not None
-    )
+    fields = [n for n in STATE_FIELDS if getattr(sequential, n) is not None]
+    assert fields, "no state field to compare"
+    out["bitwise"] = all(torch.equal(getattr(wavefront, n), getattr(sequential, n)) for n in fields)
+    out["fields_compared"] = fields
     out["shards"] = list(sequential.shards)
     out["layers"] = sequential.spec.num_layers
     out["state_bytes"] = sequential.state_bytes()
     return out
+
+
+STATE_FIELDS = (
+    "keys", "values", "latent", "rope_key", "indexer_key",
+    "conv", "recurrent", "final_conv", "final_recurrent",
+)  # fmt: skip
+
+
+def peak_rss(rank, world, checkpoint, prompt_len, shard_tokens, schedule, attention_window):
+    """One prefill of `schedule` in fresh processes: this rank's peak RSS before and after it."""
+    import resource
+
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt = _prompt(model, prompt_len)
+    kwargs = {"attention_window": attention_window} if schedule == "wavefront" else {}
+    run = wavefront_prefill if schedule == "wavefront" else sharded_prefill
+    run(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD, **kwargs)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    state = run(model, prompt, shard_tokens=shard_tokens, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_rss_before": before, "peak_rss": after, "state_bytes": state.state_bytes()}
 
 
 def main() -> None:
@@ -134,6 +159,14 @@ def main() -> None:
             timeout_s=3600,
             num_threads=1,
         )
+        # Peak memory per rank, each schedule in its own processes (ru_maxrss never falls).
+        memory = {
+            schedule: run_on_ranks(
+                peak_rss, args.ranks, *common, schedule, args.attention_window,
+                timeout_s=3600, num_threads=1,
+            )
+            for schedule in ("sequential", "wavefront")
+        }  # fmt: skip
     load_after = os.getloadavg()
 
     single_1 = min(singles[1]["prefill_s"])
@@ -152,6 +185,12 @@ def main() -> None:
         # Equal-cost layers: the wavefront's L + N - 1 steps of 1/N of the shards, vs L·N.
         "ideal_wavefront_over_sequential": (layers + args.ranks - 1) / (layers * args.ranks),
         "bitwise": all(r["bitwise"] for r in ranks),
+        # Peak RSS growth during the prefill, per rank (MB), and the rank's state (MB).
+        "prefill_peak_rss_growth_MB": {
+            schedule: [(r["peak_rss"] - r["peak_rss_before"]) / 1e6 for r in rs]
+            for schedule, rs in memory.items()
+        },
+        "state_MB_per_rank": [r["state_bytes"] / 1e6 for r in memory["sequential"]],
         "load_avg_before": load_before,
         "load_avg_after": load_after,
         "cpus": os.cpu_count(),
@@ -162,6 +201,7 @@ def main() -> None:
         "summary": summary,
         "single": singles,
         "ranks": ranks,
+        "memory": memory,
     }
     text = json.dumps(result, indent=1)
     print(text)
