@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import tempfile
 import time
 from pathlib import Path
+
+# Idle OpenMP threads sleep instead of spinning (spawned ranks inherit it): on this 2-core machine
+# spinning threads made the 2-thread single process 3x slower than 2 one-thread ranks.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -36,13 +41,15 @@ def _inputs(vocab: int, prompt_len: int, num_branches: int, branch_len: int):
     return prompt, responses, advantages
 
 
-def single_process(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len):
+def single_process(
+    rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len, threads
+):
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     prompt, responses, advantages = _inputs(
         model.config.get_text_config().vocab_size, prompt_len, num_branches, branch_len
@@ -56,6 +63,7 @@ def single_process(rank, world, checkpoint, prompt_len, shard_tokens, num_branch
         shard_tokens=shard_tokens, prompt_grad="exact", grad_buffer=GradBuffer(model),
     )  # fmt: skip
     return {
+        "threads": torch.get_num_threads(),
         "state_bytes": state.state_bytes(),
         "checkpoint_bytes": state.checkpoint_bytes(),
         "cotangent_bytes": stats.cotangent_bytes,
@@ -69,7 +77,10 @@ def single_process(rank, world, checkpoint, prompt_len, shard_tokens, num_branch
 
 def sharded(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len):
     from longstraw.distributed import cross_rank_attention as cra
-    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_group import (
+        sharded_group_gradient_slices,
+        sharded_group_gradients,
+    )
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
     from longstraw.models.checkpoint import load_checkpoint
@@ -103,6 +114,19 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, bra
     )
     out["group_s"] = time.perf_counter() - started
     out["group_bytes_sent"] = cra.COMM.bytes_sent
+    params = [p for p in model.parameters() if p.requires_grad]
+    # The dense path's two fp32 accumulators (branch, sweep) against this rank's slices.
+    out["dense_accumulator_bytes"] = 2 * 4 * sum(p.numel() for p in params)
+
+    cra.COMM.__init__()
+    started = time.perf_counter()
+    slices, _ = sharded_group_gradient_slices(
+        model, state, responses, advantages, GRPOConfig(beta=0.0), prompt_grad="exact"
+    )
+    out["group_slices_s"] = time.perf_counter() - started
+    out["slices_accumulator_bytes"] = slices.nbytes()
+    out["slices_scatter_bytes_sent"] = slices.bytes_sent
+    out["group_slices_attention_bytes_sent"] = cra.COMM.bytes_sent
     out.update(
         state_bytes=state.state_bytes(),
         checkpoint_bytes=state.checkpoint_bytes(),
@@ -130,9 +154,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(init_model(args.family, args.size, Path(tmp) / "ckpt", seed=SEED))
         common = (checkpoint, args.prompt_len, args.shard_tokens, args.branches, args.branch_len)
-        single = run_on_ranks(single_process, 1, *common, timeout_s=1800, num_threads=2)[0]
+        singles = {
+            threads: run_on_ranks(
+                single_process, 1, *common, threads, timeout_s=1800, num_threads=threads
+            )[0]
+            for threads in (1, 2)
+        }
         ranks = run_on_ranks(sharded, args.ranks, *common, timeout_s=1800, num_threads=1)
-    result = {"config": vars(args) | {"out": None}, "single": single, "ranks": ranks}
+    result = {
+        "config": vars(args) | {"out": None},
+        "load_average_at_end": os.getloadavg(),
+        "single": singles,
+        "ranks": ranks,
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out is not None:
