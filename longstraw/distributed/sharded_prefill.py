@@ -102,8 +102,12 @@ def owner_cache(
     linear_layers: Callable[[int, int], ForkedLinearAttentionLayer] | None = None,
     cotangent=None,
     mla_hook: Callable[[int], Callable] | None = None,
+    mla_layer_class: type[CrossRankMlaLayer] = CrossRankMlaLayer,
 ) -> StateCache:
-    """The `StateCache` the owner of `shard` runs it with (prefill: writes; sweep: captures)."""
+    """The `StateCache` the owner of `shard` runs it with (prefill: writes; sweep: captures).
+
+    `mla_layer_class`: GLM-5's layer type, a subclass where a schedule exchanges otherwise
+    (the wavefront's pauses instead of the owner's collectives)."""
     spec = state.spec
     local = shard - state.shards[0]
     start = state.bounds[shard][0]
@@ -128,7 +132,7 @@ def owner_cache(
         mla = spec.mla
         for slot, layer_idx in enumerate(mla.layer_indices):
             has_indexer = layer_idx in mla.indexer_layer_indices
-            layers[layer_idx] = CrossRankMlaLayer(
+            layers[layer_idx] = mla_layer_class(
                 state.latent[slot, :end],
                 state.rope_key[slot, :end],
                 state.indexer_key[mla.indexer_slot(layer_idx), :end] if has_indexer else None,
@@ -143,7 +147,13 @@ def owner_cache(
     return StateCache(layers, position_offset=start)
 
 
-def owner_prefill_cache(state: ShardedPrefixState, shard: int, *, group) -> StateCache:
+def owner_prefill_cache(
+    state: ShardedPrefixState,
+    shard: int,
+    *,
+    group,
+    mla_layer_class: type[CrossRankMlaLayer] = CrossRankMlaLayer,
+) -> StateCache:
     """`owner_cache` whose layers write `shard`'s K/V (GLM-5: latents, rope and indexer keys)
     and its end-of-shard linear checkpoints into this rank's `state`: what the owner runs the
     shard's forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
@@ -185,8 +195,9 @@ def owner_prefill_cache(state: ShardedPrefixState, shard: int, *, group) -> Stat
         )
 
     return owner_cache(
-        state, shard, group=group, kv_hook=kv_hook, linear_layers=linear_layer, mla_hook=mla_hook
-    )
+        state, shard, group=group, kv_hook=kv_hook, linear_layers=linear_layer, mla_hook=mla_hook,
+        mla_layer_class=mla_layer_class,
+    )  # fmt: skip
 
 
 def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:

@@ -119,10 +119,8 @@ class _ShardThread:
 
     def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, shard: int, group):
         self.shard = shard
-        cache = owner_prefill_cache(state, shard, group=group)
-        for layer in cache.layers:
-            if isinstance(layer, CrossRankMlaLayer):
-                layer.__class__ = _WavefrontMlaLayer  # the same layer, exchanges via pauses
+        # GLM-5's MLA layers exchange through the main thread (pauses), not collectives.
+        cache = owner_prefill_cache(state, shard, group=group, mla_layer_class=_WavefrontMlaLayer)
         self._args = (model, state.prompt_ids, cache, *state.bounds[shard])
         self._resume: queue.Queue = queue.Queue(maxsize=1)
         self._report: queue.Queue = queue.Queue(maxsize=1)
