@@ -35,7 +35,6 @@ no headers) and owner (prefill / sweep: the owner broadcasts a 7-int header befo
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -62,6 +61,7 @@ from longstraw.models.glm import (
     mla_inputs,
     previous_selection,
 )
+from longstraw.models.patching import forwards_replaced
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
 from longstraw.ops.mla_attention import (
@@ -445,19 +445,12 @@ def attention_modules(model: PreTrainedModel) -> dict[int, GlmMoeDsaAttention]:
 def cross_rank_mla_installed(model: PreTrainedModel) -> Iterator[None]:
     """Inside the block, every GLM attention module runs `sharded_mla_forward` and the MoE
     routers the engine's stable top-k (as `prefix_attention_enabled` does single-process)."""
-    modules = list(attention_modules(model).values())
-    previous = [m.__dict__.get("forward") for m in modules]
-    for module in modules:
-        module.forward = types.MethodType(sharded_mla_forward, module)
-    try:
-        with stable_routing_installed(model):
-            yield
-    finally:
-        for module, forward in zip(modules, previous, strict=True):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
+    modules = attention_modules(model).values()
+    with (
+        forwards_replaced((m, sharded_mla_forward) for m in modules),
+        stable_routing_installed(model),
+    ):
+        yield
 
 
 def serve_mla_owner(

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import announce_gradient_slices
+from longstraw.engine.group import grads_consumed_by, trainable_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class GradSlices:
 
     def __init__(self, model: PreTrainedModel, layout: SliceLayout):
         self.layout = layout
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = trainable_parameters(model)
         for name, p in params:
             if p.dim() == 0:
                 raise ValueError(f"parameter {name} is 0-dimensional; slices are dim-0 rows")
@@ -128,20 +128,8 @@ def slices_drained_into(
 ) -> Iterator[None]:
     """Inside the block each parameter's gradient, once autograd has accumulated it, adds this
     rank's rows to `slices` and `.grad` is dropped (replicated branch replay: no traffic)."""
-
-    def drain(p: torch.nn.Parameter, name: str) -> None:
-        slices.add_rows_of(name, p.grad)
-        p.grad = None
-
-    handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(drain, name=name))
-        for name, p in params
-    ]
-    try:
+    with grads_consumed_by(params, lambda index, name, grad: slices.add_rows_of(name, grad)):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _scatter_parts(
@@ -182,22 +170,14 @@ def slices_scattered_from_owner(
     """
     me = dist.get_rank(group)
 
-    def scatter(p: torch.nn.Parameter, index: int, name: str) -> None:
+    def scatter(index: int, name: str, grad: torch.Tensor) -> None:
         announce_gradient_slices(index, me, group)
-        mine = _scatter_parts(slices, name, p.shape[0], p.grad, me, group)
+        mine = _scatter_parts(slices, name, grad.shape[0], grad, me, group)
         rows = slices.grads[name].shape[0]
         slices.grads[name] += mine[:rows].float()
-        p.grad = None
 
-    handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(scatter, index=i, name=name))
-        for i, (name, p) in enumerate(params)
-    ]
-    try:
+    with grads_consumed_by(params, scatter):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def receive_gradient_slices(

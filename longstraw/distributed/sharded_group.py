@@ -21,7 +21,6 @@ rows partition, the sweep's gradient scattered from each shard's owner parameter
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,14 @@ from longstraw.distributed.sharded_replay import (
     zeros_cotangent,
 )
 from longstraw.distributed.sharded_state import ShardedPrefixState
-from longstraw.engine.group import GradBuffer, deterministic_algorithms, drain_grads_into
+from longstraw.engine.group import (
+    GradBuffer,
+    deterministic_when_exact,
+    drain_grads_into,
+    grads_drained_into,
+    grads_set_aside,
+    trainable_parameters,
+)
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
 
@@ -95,6 +101,32 @@ def _branch_inputs(
     return masks, olds, weights_G, advantages_G
 
 
+def _replay_branches(model, state, responses, inputs, loss_config, group, cotangent):
+    """Replay every branch (replicated on the ranks of `group`) and backpropagate its loss; the
+    caller decides where parameter gradients go (hooks). Returns the log-probs [G][R_i]."""
+    masks, olds, weights_G, advantages_G = inputs
+    logps = []
+    for i, response in enumerate(responses):
+        logp, branch = sharded_branch_logprobs(
+            model,
+            state,
+            response,
+            group=group,
+            temperature=loss_config.temperature,
+            cotangent=cotangent,
+        )
+        old = None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype)
+        loss, _ = branch_loss(
+            logp, old, float(advantages_G[i]), weights_G[i], loss_config, None, masks[i]
+        )
+        loss.backward()
+        if cotangent is not None:
+            branch.add_leaf_grads_into(cotangent)
+        logps.append(logp.detach())
+        del logp, loss, branch
+    return logps
+
+
 def sharded_group_gradients(
     model: PreTrainedModel,
     state: ShardedPrefixState,
@@ -116,49 +148,24 @@ def sharded_group_gradients(
     `longstraw.engine.group.accumulate_group_gradients` (same loss weights and order), with
     `ref_logprobs` not yet plumbed (beta must be 0). `.grad` of the parameters is left untouched.
     """
-    masks, olds, weights_G, advantages_G = _branch_inputs(
+    inputs = _branch_inputs(
         responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
         num_items_in_batch, num_sequences_in_batch,
     )  # fmt: skip
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    stashed = {name: p.grad for name, p in params}
-    for _, p in params:
-        p.grad = None
+    params = trainable_parameters(model)
     branch_grads, sweep_grads = GradBuffer(model), GradBuffer(model)
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
-    logps = []
-    try:
-        with deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext():
-            for i, response in enumerate(responses):
-                logp, branch = sharded_branch_logprobs(
-                    model,
-                    state,
-                    response,
-                    group=group,
-                    temperature=loss_config.temperature,
-                    cotangent=cotangent,
-                )
-                old = None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype)
-                loss, _ = branch_loss(
-                    logp, old, float(advantages_G[i]), weights_G[i], loss_config, None, masks[i]
-                )
-                loss.backward()
-                if cotangent is not None:
-                    branch.add_leaf_grads_into(cotangent)
-                drain_grads_into(params, branch_grads)
-                logps.append(logp.detach())
-                del logp, loss, branch
-            if cotangent is not None:
-                sharded_sweep(
-                    model,
-                    state,
-                    cotangent,
-                    group=group,
-                    after_shard=lambda _: drain_grads_into(params, sweep_grads),
-                )
-    finally:
-        for name, p in params:
-            p.grad = stashed[name]
+    with grads_set_aside(params), deterministic_when_exact(prompt_grad):
+        with grads_drained_into(params, branch_grads):
+            logps = _replay_branches(model, state, responses, inputs, loss_config, group, cotangent)
+        if cotangent is not None:
+            sharded_sweep(
+                model,
+                state,
+                cotangent,
+                group=group,
+                after_shard=lambda _: drain_grads_into(params, sweep_grads),
+            )
     reduced = reduce_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
@@ -191,49 +198,24 @@ def sharded_group_gradient_slices(
     them (no traffic), sweep gradients are scattered from the shard's owner per parameter.
     Not reduced over data. `.grad` of the parameters is left untouched.
     """
-    masks, olds, weights_G, advantages_G = _branch_inputs(
+    inputs = _branch_inputs(
         responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
         num_items_in_batch, num_sequences_in_batch,
     )  # fmt: skip
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    stashed = {name: p.grad for name, p in params}
-    for _, p in params:
-        p.grad = None
+    params = trainable_parameters(model)
     slices = GradSlices(model, layout)
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
-    logps = []
-    try:
-        with deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext():
-            with slices_drained_into(params, slices):
-                for i, response in enumerate(responses):
-                    logp, branch = sharded_branch_logprobs(
-                        model,
-                        state,
-                        response,
-                        group=group,
-                        temperature=loss_config.temperature,
-                        cotangent=cotangent,
-                    )
-                    old = None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype)
-                    loss, _ = branch_loss(
-                        logp, old, float(advantages_G[i]), weights_G[i], loss_config, None, masks[i]
-                    )
-                    loss.backward()
-                    if cotangent is not None:
-                        branch.add_leaf_grads_into(cotangent)
-                    logps.append(logp.detach())
-                    del logp, loss, branch
-            if cotangent is not None:
-                with slices_scattered_from_owner(params, slices, group=group):
-                    sharded_sweep(
-                        model,
-                        state,
-                        cotangent,
-                        group=group,
-                        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
-                    )
-    finally:
-        for name, p in params:
-            p.grad = stashed[name]
+    with grads_set_aside(params), deterministic_when_exact(prompt_grad):
+        with slices_drained_into(params, slices):
+            logps = _replay_branches(model, state, responses, inputs, loss_config, group, cotangent)
+        if cotangent is not None:
+            with slices_scattered_from_owner(params, slices, group=group):
+                sharded_sweep(
+                    model,
+                    state,
+                    cotangent,
+                    group=group,
+                    on_gradient_slices=receive_gradient_slices(params, slices, group=group),
+                )
     return slices, logps

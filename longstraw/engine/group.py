@@ -18,7 +18,7 @@ import contextlib
 import functools
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -74,28 +74,66 @@ def drain_grads_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradB
 
 
 @contextlib.contextmanager
-def grads_drained_into(
-    params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer
+def grads_consumed_by(
+    params: list[tuple[str, torch.nn.Parameter]],
+    consume: Callable[[int, str, torch.Tensor], None],
 ) -> Iterator[None]:
-    """Inside the block, each parameter's gradient is added to `buffer` the moment autograd has
-    accumulated it, and `.grad` is dropped: a backward never holds a second full copy of the
-    gradients beside the fp32 buffer, only the parameter being accumulated (for a bf16 model of
-    27 B parameters, the 54 GB of `.grad` that draining after the backward would keep).
+    """Inside the block, each parameter's gradient is handed to `consume(index in params, name,
+    grad)` the moment autograd has accumulated it, and `.grad` is dropped: a backward never holds
+    a second full copy of the gradients beside the accumulator, only the parameter being
+    accumulated (for a bf16 model of 27 B parameters, the 54 GB of `.grad` that draining after
+    the backward would keep).
     """
 
-    def drain(p: torch.nn.Parameter, name: str) -> None:
-        buffer.grads[name] += p.grad.float()
+    def hook(p: torch.nn.Parameter, index: int, name: str) -> None:
+        consume(index, name, p.grad)
         p.grad = None
 
     handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(drain, name=name))
-        for name, p in params
+        p.register_post_accumulate_grad_hook(functools.partial(hook, index=i, name=name))
+        for i, (name, p) in enumerate(params)
     ]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def grads_drained_into(
+    params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer
+) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, each parameter's gradient is added to the fp32 `buffer` as soon as
+    autograd has accumulated it (`grads_consumed_by`)."""
+
+    def add(index: int, name: str, grad: torch.Tensor) -> None:
+        buffer.grads[name] += grad.float()
+
+    return grads_consumed_by(params, add)
+
+
+def trainable_parameters(model: PreTrainedModel) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def grads_set_aside(params: list[tuple[str, torch.nn.Parameter]]) -> Iterator[None]:
+    """`.grad` of the parameters is None inside the block and restored after it: gradients
+    accumulated before are set aside so that the block's contribution is measured alone, and
+    the caller's `.grad` is left untouched."""
+    stashed = {name: p.grad for name, p in params}
+    for _, p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for name, p in params:
+            p.grad = stashed[name]
+
+
+def deterministic_when_exact(prompt_grad: str) -> contextlib.AbstractContextManager[None]:
+    """Exact mode runs with deterministic algorithms (the sweep checks recomputation bitwise)."""
+    return deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -224,48 +262,43 @@ def accumulate_group_gradients(
         state = prefill(model, prompt, shard_tokens=shard_tokens)
         seconds["prefill"] = time.perf_counter() - started
 
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    # Set aside gradients accumulated before this call so the contribution is measured alone.
-    stashed = {name: p.grad for name, p in params}
-    for _, p in params:
-        p.grad = None
+    params = trainable_parameters(model)
     contribution = GradBuffer(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
 
     branch_losses, branch_logps, branch_stats = [], [], []
-    mode = deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext()
-    try:
-        with mode, grads_drained_into(params, contribution):
-            started = time.perf_counter()
-            for i, response in enumerate(response_ids):
-                logp, branch = replay_branch(
-                    model, state, response, temperature=loss_config.temperature, cotangent=cotangent
-                )
-                loss, stats = branch_loss(
-                    logp,
-                    None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype),
-                    float(advantages_G[i]),
-                    weights_G[i],
-                    loss_config,
-                    None if refs[i] is None else torch.as_tensor(refs[i], dtype=logp.dtype),
-                    masks[i],
-                    None if token_weights[i] is None else torch.as_tensor(token_weights[i]),
-                )
-                loss.backward()
-                if cotangent is not None:
-                    branch.add_leaf_grads_into(cotangent, state)
-                branch_losses.append(float(loss.detach()))
-                branch_logps.append(logp.detach().cpu().tolist())
-                branch_stats.append(stats)
-                del logp, loss, branch
-            seconds["replay"] = time.perf_counter() - started
+    with (
+        grads_set_aside(params),
+        deterministic_when_exact(prompt_grad),
+        grads_drained_into(params, contribution),
+    ):
+        started = time.perf_counter()
+        for i, response in enumerate(response_ids):
+            logp, branch = replay_branch(
+                model, state, response, temperature=loss_config.temperature, cotangent=cotangent
+            )
+            loss, stats = branch_loss(
+                logp,
+                None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype),
+                float(advantages_G[i]),
+                weights_G[i],
+                loss_config,
+                None if refs[i] is None else torch.as_tensor(refs[i], dtype=logp.dtype),
+                masks[i],
+                None if token_weights[i] is None else torch.as_tensor(token_weights[i]),
+            )
+            loss.backward()
             if cotangent is not None:
-                started = time.perf_counter()
-                sweep_prompt_shards(model, state, cotangent)
-                seconds["sweep"] = time.perf_counter() - started
-    finally:
-        for name, p in params:
-            p.grad = stashed[name]
+                branch.add_leaf_grads_into(cotangent, state)
+            branch_losses.append(float(loss.detach()))
+            branch_logps.append(logp.detach().cpu().tolist())
+            branch_stats.append(stats)
+            del logp, loss, branch
+        seconds["replay"] = time.perf_counter() - started
+        if cotangent is not None:
+            started = time.perf_counter()
+            sweep_prompt_shards(model, state, cotangent)
+            seconds["sweep"] = time.perf_counter() - started
 
     if grad_buffer is None:
         contribution.into_param_grads(model)

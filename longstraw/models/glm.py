@@ -31,7 +31,6 @@ top-k (no gradient through the choice; the gates `topk_weights` are differentiab
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -43,6 +42,7 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     apply_rotary_pos_emb_interleave,
 )
 
+from longstraw.models.patching import forwards_replaced
 from longstraw.ops.dsa_topk import stable_topk_mask
 from longstraw.ops.mla_attention import absorbed_mla_attention
 
@@ -211,15 +211,5 @@ def longstraw_mla_forward(
 def mla_attention_installed(model: PreTrainedModel) -> Iterator[None]:
     """Inside the block, every GLM attention module of `model` runs `longstraw_mla_forward`."""
     modules = [m for m in model.modules() if isinstance(m, GlmMoeDsaAttention)]
-    # Nested use restores what the outer block installed.
-    previous = [m.__dict__.get("forward") for m in modules]
-    for module in modules:
-        module.forward = types.MethodType(longstraw_mla_forward, module)
-    try:
+    with forwards_replaced((m, longstraw_mla_forward) for m in modules):
         yield
-    finally:
-        for module, forward in zip(modules, previous, strict=True):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw.models.patching import forwards_replaced
+
 
 def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest entries; equal entries keep index order."""
@@ -66,18 +68,11 @@ _ROUTER_FORWARDS = {
 @contextlib.contextmanager
 def stable_routing_installed(model: nn.Module) -> Iterator[None]:
     """Route every known MoE router of `model` through its stable-top-k forward in the block."""
-    patched = []
-    for module in model.modules():
-        forward = _ROUTER_FORWARDS.get(type(module).__name__)
-        if forward is not None:
-            # Nested use (layer recomputation inside the engine) restores the outer block's.
-            patched.append((module, module.__dict__.get("forward")))
-            module.forward = forward.__get__(module)
-    try:
+    # Nested use (layer recomputation inside the engine) restores the outer block's.
+    routers = [
+        (module, _ROUTER_FORWARDS[type(module).__name__])
+        for module in model.modules()
+        if type(module).__name__ in _ROUTER_FORWARDS
+    ]
+    with forwards_replaced(routers):
         yield
-    finally:
-        for module, previous in patched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous

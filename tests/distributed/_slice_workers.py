@@ -6,7 +6,7 @@ Each returns plain numbers so the parent process can assert on them.
 from __future__ import annotations
 
 import torch
-from _workers import RESPONSE_LENS, SEED, _group
+from _workers import _group, data_parallel_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Every fp32 accumulator starts zeroed: these are the ops that allocate one.
@@ -124,7 +124,6 @@ def fsdp_sliced_step(
         sharded_group_gradients,
     )
     from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -132,28 +131,9 @@ def fsdp_sliced_step(
     config = GRPOConfig(beta=0.0)
     lr = 1e-3
 
-    def groups(vocab: int):
-        out = []
-        for d in range(data):
-            gen = torch.Generator().manual_seed(SEED + d)
-            prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
-            responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
-            out.append((prompt, responses, torch.tensor([0.7, -1.1]) * (d + 1)))
-        return out
-
-    reference, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    reference.eval()
-    batches = groups(reference.config.get_text_config().vocab_size)
-    want = GradBuffer(reference)
-    for prompt, responses, advantages in batches:
-        accumulate_group_gradients(
-            reference, prompt, responses, advantages, config,
-            shard_tokens=shard_tokens, prompt_grad=prompt_grad, grad_buffer=want,
-        )  # fmt: skip
-    for grad in want.grads.values():
-        grad /= data
-    want.into_param_grads(reference)
-    torch.optim.SGD(reference.parameters(), lr=lr).step()
+    reference, batches, want = data_parallel_reference(
+        checkpoint, data, prompt_len, shard_tokens, prompt_grad, lr
+    )
 
     mesh = data_seq_mesh(data, seq)
     seq_group = mesh.get_group(SEQ)

@@ -297,6 +297,43 @@ def resume_persisted_prefill(
     return out
 
 
+def replica_groups(vocab: int, data: int, prompt_len: int):
+    """[data] (prompt, responses, advantages): data replica d trains on its own prompt, with the
+    same lengths and other tokens."""
+    out = []
+    for d in range(data):
+        gen = torch.Generator().manual_seed(SEED + d)
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+        responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
+        out.append((prompt, responses, torch.tensor([0.7, -1.1]) * (d + 1)))
+    return out
+
+
+def data_parallel_reference(
+    checkpoint: str, data: int, prompt_len: int, shard_tokens: int, prompt_grad: str, lr: float
+):
+    """Single process: every replica's group (`replica_groups`), gradients averaged, one SGD
+    step. Returns (the stepped model, the groups, the averaged fp32 GradBuffer)."""
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    reference, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    reference.eval()
+    batches = replica_groups(reference.config.get_text_config().vocab_size, data, prompt_len)
+    want = GradBuffer(reference)
+    for prompt, responses, advantages in batches:
+        accumulate_group_gradients(
+            reference, prompt, responses, advantages, GRPOConfig(beta=0.0),
+            shard_tokens=shard_tokens, prompt_grad=prompt_grad, grad_buffer=want,
+        )  # fmt: skip
+    for grad in want.grads.values():
+        grad /= data
+    want.into_param_grads(reference)
+    torch.optim.SGD(reference.parameters(), lr=lr).step()
+    return reference, batches, want
+
+
 def fsdp_data_parallel_step(
     rank: int, world: int, checkpoint: str, data: int, prompt_len: int, shard_tokens: int
 ):
@@ -313,7 +350,6 @@ def fsdp_data_parallel_step(
     )
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -321,30 +357,9 @@ def fsdp_data_parallel_step(
     config = GRPOConfig(beta=0.0)
     lr = 1e-3
 
-    def groups(vocab: int):
-        # Data replica d trains on its own prompt: the same lengths, other tokens.
-        out = []
-        for d in range(data):
-            gen = torch.Generator().manual_seed(SEED + d)
-            prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
-            responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSE_LENS]
-            out.append((prompt, responses, torch.tensor([0.7, -1.1]) * (d + 1)))
-        return out
-
-    # Single process: every replica's group, averaged; one SGD step.
-    reference, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    reference.eval()
-    batches = groups(reference.config.get_text_config().vocab_size)
-    want = GradBuffer(reference)
-    for prompt, responses, advantages in batches:
-        accumulate_group_gradients(
-            reference, prompt, responses, advantages, config,
-            shard_tokens=shard_tokens, grad_buffer=want,
-        )  # fmt: skip
-    for grad in want.grads.values():
-        grad /= data
-    want.into_param_grads(reference)
-    torch.optim.SGD(reference.parameters(), lr=lr).step()
+    reference, batches, want = data_parallel_reference(
+        checkpoint, data, prompt_len, shard_tokens, "exact", lr
+    )
 
     # FSDP over "data", this rank's share of its replica's group over "seq".
     mesh = data_seq_mesh(data, seq)
