@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
+from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from longstraw.storage.errors import StateIntegrityError, StateNotCommittedError
-from longstraw.storage.gc import collect_garbage, list_states
+from longstraw.storage.gc import (
+    collect_garbage,
+    collect_stale_locks,
+    default_locks_dir,
+    list_states,
+)
 from longstraw.storage.reader import read_manifest, verify_state
 
 state_app = typer.Typer(
@@ -146,11 +152,19 @@ def gc_cmd(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="List what would be removed; remove nothing."
     ),
+    locks_dir: Path | None = typer.Option(
+        None,
+        "--locks-dir",
+        help="Lock files of the prefill cache (default: $PREFECT_HOME/longstraw-locks, else "
+        "./.longstraw/prefect/longstraw-locks).",
+    ),
 ) -> None:
-    """Remove uncommitted attempts past the grace period and states of old policy versions."""
+    """Remove uncommitted attempts past the grace period, states of old policy versions, and
+    locks whose holder is gone."""
     actions = collect_garbage(
         root, keep_versions=keep_versions, grace_seconds=grace_seconds, dry_run=dry_run
     )
+    actions += collect_stale_locks(locks_dir or default_locks_dir(), dry_run=dry_run)
     table = Table(title=("would remove" if dry_run else "removed") + f" ({len(actions)})")
     for col in ("path", "reason", "size"):
         table.add_column(col)

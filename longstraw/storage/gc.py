@@ -9,11 +9,15 @@ Reference states are never removed by version (the reference model does not chan
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from longstraw.schemas.storage import ShardManifest, StateManifest, StorageConfig
+from longstraw.storage.holders import DEFAULT_LEASE_S
+from longstraw.storage.lockfiles import remove_if_unchanged, stale_lock_files
 from longstraw.storage.paths import ATTEMPT_PREFIX, COMMITTED_NAME, SHARDS_DIR, filesystem
 
 _POLICY_DIR = re.compile(r"^runs/([^/]+)/policy-v(\d+)/prompts/([^/]+)/(.+)$")
@@ -208,4 +212,26 @@ def collect_garbage(
             afs, path = filesystem(action.uri, config)
             afs.rm(path, recursive=True)
         fs.invalidate_cache()
+    return actions
+
+
+def default_locks_dir() -> Path:
+    """The lock files of Prefect's shard caching: $PREFECT_HOME/longstraw-locks, or the embedded
+    default's ./.longstraw/prefect/longstraw-locks."""
+    home = os.environ.get("PREFECT_HOME") or "./.longstraw/prefect"
+    return Path(home).expanduser().resolve() / "longstraw-locks"
+
+
+def collect_stale_locks(
+    locks_dir: Path, *, lease_s: float = DEFAULT_LEASE_S, dry_run: bool = False
+) -> list[GcAction]:
+    """Remove lock files whose holder is gone (see storage.holders); returns what was removed.
+
+    A lock whose holder is alive is never touched; one that changed hands since it was judged
+    stale is left in place.
+    """
+    actions = []
+    for info, reason in stale_lock_files(locks_dir, lease_s=lease_s):
+        if dry_run or remove_if_unchanged(info.path, info.content):
+            actions.append(GcAction(str(info.path), f"stale lock: {info.describe()}: {reason}", 0))
     return actions
