@@ -111,7 +111,7 @@ def run_on_ranks(
     something picklable; tensors should be small (tests, statistics). `num_threads` intra-op
     threads per rank (ranks × threads should not exceed the cores). `start_method` "spawn" is
     the safe default (CUDA cannot be forked); "fork" skips re-importing torch/transformers in
-    each rank (~10 s per rank on this machine) and suits CPU-only runs such as the tests. Raises `RankFailedError` as
+    each rank (seconds per rank) and suits CPU-only runs such as the tests. Raises `RankFailedError` as
     soon as any rank fails or dies, and `TimeoutError` after `timeout_s`; all ranks are stopped.
     """
     if world_size < 1:

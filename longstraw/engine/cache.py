@@ -2,7 +2,7 @@
 
 transformers' own cache layers append with `torch.cat` (a P-sized copy per layer per branch) and
 write linear-attention state in place with `.copy_` (which corrupts the prompt state under
-autograd; see NOTES.md). These layers never do either: full-attention layers hand the model only
+autograd; see docs/design.md). These layers never do either: full-attention layers hand the model only
 the new tokens' K/V and keep a *view* of the prefix for the attention function; linear-attention
 layers rebind their conv tail and recurrent state to new tensors instead of writing into them.
 

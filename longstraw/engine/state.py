@@ -186,7 +186,7 @@ class PrefixState:
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The state's arrays by storage name (see DESIGN.md "Storage")."""
+        """The state's arrays by storage name (docs/design.md, "Storage")."""
         named = {
             "full_attention/k": self.keys,
             "full_attention/v": self.values,

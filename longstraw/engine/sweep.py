@@ -169,7 +169,7 @@ def layerwise_recompute(model: PreTrainedModel) -> Iterator[None]:
     [shard, hidden] per layer plus one layer's activations at a time, not every layer's.
 
     transformers' own gradient checkpointing cannot be used: in training mode it drops the cache
-    inside each layer (NOTES.md). The cache layers of the sweep are recompute-safe: they start
+    inside each layer (docs/design.md). The cache layers of the sweep are recompute-safe: they start
     every forward from the shard-start state and record only the first forward's outputs.
     """
     layers = list(decoder_of(model).layers)

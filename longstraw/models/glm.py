@@ -5,7 +5,7 @@ keeps an overlay), T prefix positions, H heads, R latent rank, E rope dim, Hi / 
 key dim, K `index_topk`.
 
 transformers' `GlmMoeDsaAttention.forward` caches the latents but re-expands *every* cached latent
-into per-head K/V with `kv_b_proj` on each forward and masks with dense [S, T] masks (NOTES.md:
+into per-head K/V with `kv_b_proj` on each forward and masks with dense [S, T] masks (docs/design.md:
 5.2 GB at 16K tokens on a tiny config), and its DSA top-k breaks ties differently at different
 lengths. Neither can be changed through transformers' extension points, so inside
 `mla_attention_installed(model)` each attention module's `forward` is replaced by

@@ -1,4 +1,4 @@
-"""MoE expert selection with ties broken toward the earlier expert index, as issue 11.4 requires.
+"""MoE expert selection with ties broken toward the earlier expert index.
 
 `torch.topk` does not specify which of equal scores it returns, and its choice can differ
 between a long prefill shard and a one-token branch. Inside the engine, Qwen3-Next's router

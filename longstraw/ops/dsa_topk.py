@@ -3,7 +3,7 @@
 Shape legend: B batch rows, S queries, T candidate key positions (prefix + branch, in position
 order), k the indexer's `index_topk`.
 
-`torch.topk` breaks ties differently at different lengths (NOTES.md: random GLM models produce
+`torch.topk` breaks ties differently at different lengths (docs/design.md: random GLM models produce
 many exactly-zero index scores, and a full forward and a cached forward then select different
 positions). LongStraw selects what a *stable* descending sort selects: the k largest scores,
 ties resolved toward the smaller position. Prefill, replay and the exact sweep all use this

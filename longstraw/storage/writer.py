@@ -1,6 +1,6 @@
 """StateWriter: persist a prompt state shard by shard and commit it exactly once.
 
-Protocol (DESIGN.md "Storage"), for the state directory D of one StateKey:
+Protocol (docs/design.md, "Storage"), for the state directory D of one StateKey:
 1. Each writer is an attempt with a fresh uuid and writes chunks only under
    D/attempt-{uuid}/state.zarr. No other writer ever writes there, so no chunk object is ever
    overwritten by someone else (no torn chunk, even with a zombie writer still running).

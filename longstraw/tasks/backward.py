@@ -30,8 +30,8 @@ def backward_group(
     reverse) into zeroed fp32 buffers; returns the contribution. The prompt cotangent dS lives
     and dies inside this task, so a retry starts from zero and cannot double-count.
 
-    (Issue 8's `replay_branches` and `sweep_prompt_shards` are this one task: issue 11.8 puts
-    replay, dS and the sweep in one idempotent unit.)
+    Replay and the reverse sweep are this one task, not two: dS only exists between them, so one
+    idempotent unit is what makes a retry safe.
     """
     ctx = runtime.run_context(config)
     group = runtime.get_rollout(rollout.handle)

@@ -157,7 +157,7 @@ def _rebinding_update_recurrent_state(self, recurrent_states, state_idx: int = 0
     # transformers' LinearAttentionLayer.update_recurrent_state does
     # `self.recurrent_states[idx].copy_(new)`: the tensor it overwrites is the one the chunked
     # gated delta rule saved for backward as `initial_state`, so backward fails with "modified by
-    # an inplace operation" (NOTES.md). Rebinding stores the same values without the write.
+    # an inplace operation" (docs/design.md). Rebinding stores the same values without the write.
     if not self.is_recurrent_states_initialized[state_idx]:
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
     self.recurrent_states[state_idx] = recurrent_states
@@ -191,7 +191,7 @@ def stock_cached_branch_logprobs(
 
     A FRESH `DynamicCache` per call; `prompt[:-1]` prefilled into it under no_grad; then
     `[prompt[-1]] + response[:-1]` with autograd on that cache. This is the detached-gradient
-    reference (DESIGN.md table). For linear-attention layers two things of the stock cache are
+    reference (docs/design.md, reference table). For linear-attention layers two things of the stock cache are
     changed after the no-grad prefill and before the branch, both only to make autograd through
     the branch possible, neither changing a computed value:
 

@@ -4,7 +4,7 @@ model's full-sequence autograd gradient.
 Measured (tiny checkpoints, P = 129, G = 3, grpo): whole-model RMS-relative error 0.70 % (llama),
 0.88 % (qwen3), 0.73 % (qwen3_5), 0.73 % (qwen3_next), cosine >= 0.99996; the worst single
 parameter 2.3 % (q/k-norm weights and Gated DeltaNet dt_bias / A_log: small tensors whose
-gradient sums many bf16-rounded products). DESIGN.md's bf16 tolerance is 2e-2; per parameter
+gradient sums many bf16-rounded products). The bf16 tolerance (docs/design.md) is 2e-2; per parameter
 the bound is 5e-2 for that reason.
 """
 

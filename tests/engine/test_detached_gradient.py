@@ -1,6 +1,6 @@
 """Detached-mode gradient against transformers' own cached path, parameter by parameter.
 
-Reference (DESIGN.md): per branch a FRESH `DynamicCache`, `prompt[:-1]` prefilled into it under
+Reference (docs/design.md): per branch a FRESH `DynamicCache`, `prompt[:-1]` prefilled into it under
 no_grad, then `[prompt[-1]] + response[:-1]` with autograd and the same `branch_loss` share
 (`engine_helpers.stock_cached_branch_logprobs`; the two changes to the stock linear-attention
 cache layer that autograd needs are documented there).

@@ -76,7 +76,7 @@ def test_single_token_prompt_replays_over_an_empty_state(tiny_model):
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_branch_replay_with_autograd_backpropagates_through_the_prefix_state(tiny_model, family):
-    """Issue 11.1: the state comes from no_grad (not inference_mode), so a branch can save it."""
+    """The state comes from no_grad (not inference_mode), so a branch can save it."""
     model = tiny_model(family)
     prompt, responses, _ = random_group(63, (9,), vocab_of(model))
     state = prefill(model, prompt, shard_tokens=20)

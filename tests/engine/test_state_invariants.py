@@ -1,6 +1,6 @@
 """What a branch replay may not do to the prompt state: write it, copy it, or save it for backward.
 
-Issue 11.5: no prompt-sized tensor is saved for backward during a replay (checked with
+No prompt-sized tensor is saved for backward during a replay (checked with
 `saved_tensors_hooks`: the saved total must not grow with P), no `.grad` appears on the state, and
 exact mode's fp32 cotangent dS is the only prompt-sized extra buffer.
 """

@@ -1,6 +1,6 @@
 """What the exact sweep keeps for backward while it recomputes a prefill shard.
 
-The sweep's extra memory over detached mode is one shard's graph (issue 4); inside it, the MLPs
+The sweep's extra memory over detached mode is one shard's graph; inside it, the MLPs
 and the gated delta rule keep only their inputs and rebuild their graph block by block in
 backward (`longstraw.ops.blockwise_backward`). Checked structurally with `saved_tensors_hooks`,
 on a one-shard prompt ten times the block: no MLP activation and no chunk-major delta-rule

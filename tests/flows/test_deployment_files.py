@@ -42,7 +42,7 @@ def test_deployments_point_at_the_train_flow_with_valid_default_parameters():
 
 
 def test_every_gpu_job_variable_is_a_template_variable():
-    # Prefect silently drops job variables that match no template variable (NOTES.md).
+    # Prefect silently drops job variables that match no template variable (docs/design.md).
     properties = json.loads(TEMPLATE.read_text())["variables"]["properties"]
     job_variables = _deployments()["gpu"]["work_pool"]["job_variables"]
     assert set(job_variables) <= set(properties), set(job_variables) - set(properties)

@@ -49,7 +49,7 @@ def _env(home: Path, api_url: str | None) -> dict[str, str]:
 
 
 def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    # setsid: a Prefect worker SIGKILLs its process group on SIGTERM (NOTES.md); its own group
+    # setsid: a Prefect worker SIGKILLs its process group on SIGTERM (docs/design.md); its own group
     # keeps pytest out of it, and killpg stops the process with its children.
     return subprocess.Popen(
         args,

@@ -10,7 +10,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.causal_conv import causal_conv1d_with_state, naive_causal_conv1d
 
-RTOL, ATOL = 1e-5, 1e-6  # fp32 reorderings (DESIGN.md)
+RTOL, ATOL = 1e-5, 1e-6  # fp32 reorderings (docs/design.md)
 GRAD_RMS_REL = 1e-6
 
 
