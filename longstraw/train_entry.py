@@ -26,7 +26,7 @@ def configure_prefect_environment(project_dir: Path) -> None:
     home = project_dir / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home))
-    # Prefect's default 20 s is too short for a first start on a busy 2-core machine (NOTES: 15–17 s).
+    # Prefect's default 20 s is too short for a first start (a fresh database) on a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "results"))

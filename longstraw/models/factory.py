@@ -132,7 +132,7 @@ def build_config(family: Family, size: Size = "tiny") -> PretrainedConfig:
             mlp_only_layers=[0],
         )
     # glm_moe_dsa: MLA + DSA indexer + MoE. v_head_dim = qk_nope + qk_rope as in the real model
-    # (NOTES: otherwise CPU attention takes a slow materialising path).
+    # (otherwise CPU attention takes a slow materialising path).
     if size == "tiny":
         mla = dict(
             hidden_size=64,

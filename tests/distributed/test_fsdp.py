@@ -21,7 +21,7 @@ from longstraw.distributed.launch import run_on_ranks
 
 PROMPT_LEN, SHARD_TOKENS = 110, 17
 # (family, data, seq): 2 processes (pure data parallel) and 4 (2 replicas of a 2-rank sequence
-# group; ~4 s here).
+# group).
 CASES = [("llama", 2, 1), ("qwen3_5", 2, 2)]
 # Gradients: worst per-tensor max_diff / max|ref| measured 6.4e-7 (llama, 2 × 1) and 1.7e-6
 # (qwen3_5, 2 × 2: the cross-rank merge reorders fp32 sums, as in test_sharded_engine.py).

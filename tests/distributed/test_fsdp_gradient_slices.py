@@ -5,7 +5,7 @@ as in test_fsdp.py. `sharded_group_gradient_slices(..., data_size=N_d)` then
 `set_sharded_gradients`: each rank's DTensor `.grad` shard must equal chunk g of the dense path's
 data-averaged gradient (g = global rank, FSDP's `torch.chunk` layout), gathered it must equal the
 single-process engine's gradient, and optimizer steps on the shards must match the dense ones.
-Cases: qwen3_5 exact on 2 × 2 (4 processes, ~6 s here) and llama detached on 2 × 3 (6 processes:
+Cases: qwen3_5 exact on 2 × 2 (4 processes) and llama detached on 2 × 3 (6 processes:
 dim 0 = 64 in 6 chunks of 11 leaves the last 9 rows: uneven).
 """
 

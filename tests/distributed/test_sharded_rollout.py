@@ -3,7 +3,7 @@
 K/V families: P = 200 (T = 199 state tokens) in 33-token shards = 7 shards, split 4 + 3 (llama,
 2 ranks) and 3 + 2 + 2 (qwen3_5, 3 ranks). GLM-5: P = 100 in 13-token shards = 8 shards, split
 4 + 4 and 3 + 3 + 2, sparse DSA (`index_topk` 32 of 99 + branch positions). Neither tokens nor
-shards divide evenly. Each case is one fork launch of its ranks (~1-4 s here); the tests read
+shards divide evenly. Each case is one fork launch of its ranks (launches are slow); the tests read
 its results.
 """
 

@@ -2,7 +2,7 @@
 
 Prefect reads its settings when it is first imported, so the environment is set here, at import
 of this conftest (before any test module imports prefect), and again as temporary settings in
-the harness. `prefect_test_harness` costs 9–15 s (NOTES): it is started once per session, and
+the harness. `prefect_test_harness` is slow to start (a server process): it is started once per session, and
 only when a test asks for it.
 """
 

@@ -97,7 +97,7 @@ def test_tiny_glm_has_both_indexer_kinds_and_a_sparse_topk():
     assert set(config.indexer_types) == {"full", "shared"}
     assert config.indexer_types[0] == "full"  # a shared layer reuses an earlier full one's top-k
     assert config.index_topk < SHORTEST_SPARSE_TEST_PROMPT, config.index_topk
-    # NOTES: v_head_dim = qk_nope + qk_rope keeps CPU attention off its materialising path.
+    # v_head_dim = qk_nope + qk_rope keeps CPU attention off its materialising path.
     assert config.v_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
 
 
