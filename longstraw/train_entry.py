@@ -123,8 +123,12 @@ def run_training(
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
         f"{config.engine.prompt_grad}, storage {config.storage.root_uri}"
     )
-    from longstraw.tasks import runtime
+    from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
+    from longstraw.training import progress as events
 
+    # Under torchrun, every rank but 0 serves the stages from here and exits when rank 0 is done;
+    # without it, rank 0 starts the other ranks on this machine.
+    start_stage_group(config.parallel)
     started = time.perf_counter()
     with Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -135,18 +139,15 @@ def run_training(
         transient=False,
     ) as progress:
         steps_bar = progress.add_task("GRPO steps", total=config.train.num_steps)
-        # Shard progress comes from the Prefect tasks; the in-process loop reports steps only.
-        shards_bar = progress.add_task("prefill shards", total=None, visible=use_prefect)
+        shards_bar = progress.add_task("prefill shards", total=None)
 
         def listen(event: str, fields: dict) -> None:
             if event == "prefill_shard":
-                progress.update(
-                    shards_bar, total=fields["num_shards"], completed=fields["shard"] + 1
-                )
+                progress.update(shards_bar, total=fields["total"], completed=fields["done"])
             elif event == "step":
                 progress.update(steps_bar, completed=fields["step"] + 1)
 
-        runtime.add_listener(listen)
+        events.add_listener(listen)
         try:
             if use_prefect:
                 from longstraw.flows.train import train as train_flow
@@ -154,16 +155,14 @@ def run_training(
                 console.print(
                     "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"
                 )
-                history = train_flow(config, resume=resume)
+                history = train_flow(config.model_dump(mode="json"), resume=resume)
             else:
                 from longstraw.training.loop import train
 
-                ctx = train(
-                    config, resume=resume, on_step=lambda c, m: runtime.emit("step", step=m.step)
-                )
-                history = ctx.history
+                history = train(config, resume=resume).history
         finally:
-            runtime.remove_listener(listen)
+            events.remove_listener(listen)
+            stop_stage_group()
         progress.update(steps_bar, completed=config.train.num_steps)
     console.print(summary_table(history))
     from longstraw.storage.checkpoints import latest_checkpoint

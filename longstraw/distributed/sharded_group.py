@@ -22,6 +22,7 @@ rows partition, the sweep's gradient scattered from each shard's owner parameter
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,13 +43,15 @@ from longstraw.distributed.sharded_replay import (
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.group import (
     GradBuffer,
+    GroupInputs,
     deterministic_when_exact,
     drain_grads_into,
     grads_drained_into,
     grads_set_aside,
+    group_inputs,
     trainable_parameters,
 )
-from longstraw.grpo.losses import branch_loss, sequence_weights
+from longstraw.grpo.losses import BranchStats
 from longstraw.schemas.grpo import GRPOConfig
 
 
@@ -72,41 +75,42 @@ def reduce_gradients(
 
 
 def _branch_inputs(
-    responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
-    num_items_in_batch, num_sequences_in_batch,
-):  # fmt: skip
-    """(masks [G], old log-probs [G], loss weights [G], advantages [G]) — checked."""
-    if prompt_grad not in ("exact", "detached"):
-        raise ValueError(f"prompt_grad must be 'exact' or 'detached', got {prompt_grad!r}")
-    if loss_config.beta != 0.0:
-        raise ValueError("sharded_group_gradients does not take ref_logprobs yet; set beta=0.0")
-    num = len(responses)
-    masks = (
-        [None] * num
-        if loss_masks is None
-        else [torch.as_tensor(m, dtype=torch.float32) for m in loss_masks]
-    )
-    olds = [None] * num if old_logprobs is None else list(old_logprobs)
-    lengths = [
-        int(r.numel()) if m is None else int(m.sum()) for r, m in zip(responses, masks, strict=True)
-    ]
-    weights_G = sequence_weights(
-        loss_config.loss_type,
-        lengths,
+    model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+    num_items_in_batch, num_sequences_in_batch, ref_logprobs=None, importance_weights=None,
+) -> GroupInputs:  # fmt: skip
+    """The single-process path's front door (`engine.group.group_inputs`): the same checks and
+    the same loss weights."""
+    return group_inputs(
+        model,
+        responses,
+        advantages,
         loss_config,
+        prompt_grad=prompt_grad,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        loss_masks=loss_masks,
         num_items_in_batch=num_items_in_batch,
         num_sequences_in_batch=num_sequences_in_batch,
+        importance_weights=importance_weights,
     )
-    advantages_G = torch.as_tensor(advantages, dtype=torch.float32).flatten()
-    return masks, olds, weights_G, advantages_G
 
 
-def _replay_branches(model, state, responses, inputs, loss_config, group, cotangent):
+@dataclass
+class ReplayRecord:
+    """What the replicated replay of a group produced besides gradients."""
+
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    """[G][R_i] detached log-probs."""
+    losses: list[float] = field(default_factory=list)
+    """[G] each branch's share of the loss."""
+    stats: list[BranchStats] = field(default_factory=list)
+
+
+def _replay_branches(model, state, inputs: GroupInputs, loss_config, group, cotangent):
     """Replay every branch (replicated on the ranks of `group`) and backpropagate its loss; the
-    caller decides where parameter gradients go (hooks). Returns the log-probs [G][R_i]."""
-    masks, olds, weights_G, advantages_G = inputs
-    logps = []
-    for i, response in enumerate(responses):
+    caller decides where parameter gradients go (hooks)."""
+    record = ReplayRecord()
+    for i, response in enumerate(inputs.response_ids):
         logp, branch = sharded_branch_logprobs(
             model,
             state,
@@ -115,16 +119,15 @@ def _replay_branches(model, state, responses, inputs, loss_config, group, cotang
             temperature=loss_config.temperature,
             cotangent=cotangent,
         )
-        old = None if olds[i] is None else torch.as_tensor(olds[i], dtype=logp.dtype)
-        loss, _ = branch_loss(
-            logp, old, float(advantages_G[i]), weights_G[i], loss_config, None, masks[i]
-        )
+        loss, stats = inputs.branch_loss(i, logp, loss_config)
         loss.backward()
         if cotangent is not None:
             branch.add_leaf_grads_into(cotangent)
-        logps.append(logp.detach())
+        record.logprobs.append(logp.detach())
+        record.losses.append(float(loss.detach()))
+        record.stats.append(stats)
         del logp, loss, branch
-    return logps
+    return record
 
 
 def sharded_group_gradients(
@@ -141,23 +144,52 @@ def sharded_group_gradients(
     loss_masks: Sequence[torch.Tensor] | None = None,
     num_items_in_batch: float | None = None,
     num_sequences_in_batch: int | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    importance_weights: Sequence[torch.Tensor] | None = None,
 ) -> tuple[GradBuffer, list[torch.Tensor]]:
     """(the reduced fp32 gradient — the same on every rank —, per-branch log-probs [G][R_i]).
 
     Call on every rank of `group` with the same arguments. Mirrors
-    `longstraw.engine.group.accumulate_group_gradients` (same loss weights and order), with
-    `ref_logprobs` not yet plumbed (beta must be 0). `.grad` of the parameters is left untouched.
+    `longstraw.engine.group.accumulate_group_gradients` (same checks, loss weights and order).
+    `.grad` of the parameters is left untouched.
     """
+    reduced, record = sharded_group_replay(
+        model, state, responses, advantages, loss_config, prompt_grad=prompt_grad, group=group,
+        data_group=data_group, old_logprobs=old_logprobs, loss_masks=loss_masks,
+        num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
+        ref_logprobs=ref_logprobs, importance_weights=importance_weights,
+    )  # fmt: skip
+    return reduced, record.logprobs
+
+
+def sharded_group_replay(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    responses: Sequence[torch.Tensor],
+    advantages: torch.Tensor | Sequence[float],
+    loss_config: GRPOConfig,
+    *,
+    prompt_grad: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    data_group: dist.ProcessGroup | None = None,
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    loss_masks: Sequence[torch.Tensor] | None = None,
+    num_items_in_batch: float | None = None,
+    num_sequences_in_batch: int | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    importance_weights: Sequence[torch.Tensor] | None = None,
+) -> tuple[GradBuffer, ReplayRecord]:
+    """`sharded_group_gradients` with the replay's log-probs, losses and loss statistics."""
     inputs = _branch_inputs(
-        responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
-        num_items_in_batch, num_sequences_in_batch,
+        model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+        num_items_in_batch, num_sequences_in_batch, ref_logprobs, importance_weights,
     )  # fmt: skip
     params = trainable_parameters(model)
     branch_grads, sweep_grads = GradBuffer(model), GradBuffer(model)
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
         with grads_drained_into(params, branch_grads):
-            logps = _replay_branches(model, state, responses, inputs, loss_config, group, cotangent)
+            record = _replay_branches(model, state, inputs, loss_config, group, cotangent)
         if cotangent is not None:
             sharded_sweep(
                 model,
@@ -169,7 +201,7 @@ def sharded_group_gradients(
     reduced = reduce_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
-    return reduced, logps
+    return reduced, record
 
 
 def sharded_group_gradient_slices(
@@ -199,7 +231,7 @@ def sharded_group_gradient_slices(
     Not reduced over data. `.grad` of the parameters is left untouched.
     """
     inputs = _branch_inputs(
-        responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
+        model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
         num_items_in_batch, num_sequences_in_batch,
     )  # fmt: skip
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
@@ -208,7 +240,7 @@ def sharded_group_gradient_slices(
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
         with slices_drained_into(params, slices):
-            logps = _replay_branches(model, state, responses, inputs, loss_config, group, cotangent)
+            record = _replay_branches(model, state, inputs, loss_config, group, cotangent)
         if cotangent is not None:
             with slices_scattered_from_owner(params, slices, group=group):
                 sharded_sweep(
@@ -218,4 +250,4 @@ def sharded_group_gradient_slices(
                     group=group,
                     on_gradient_slices=receive_gradient_slices(params, slices, group=group),
                 )
-    return slices, logps
+    return slices, record.logprobs

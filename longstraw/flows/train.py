@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from longstraw.flows.grpo_step import _key, grpo_step
+from longstraw.distributed.stage_group import start_stage_group
+from longstraw.flows.grpo_step import artifact_key, grpo_step
 from longstraw.schemas.results import StepMetrics
-from longstraw.schemas.run import RunConfig
-from longstraw.tasks.plan import open_run_task
+from longstraw.schemas.run import RunConfig, validated_run_config
+from longstraw.storage.config_files import read_run_config
+from longstraw.tasks.stages import open_run
+from longstraw.training.loop import after_step
+from longstraw.training.metrics import truncate_metrics
 
 
 def reward_curve_markdown(history: list[StepMetrics]) -> str:
@@ -33,23 +39,43 @@ def reward_curve_markdown(history: list[StepMetrics]) -> str:
     return "\n".join(lines)
 
 
+def run_config(config: dict[str, Any] | None, config_file: str | None) -> RunConfig:
+    """The run's config: `config_file` (a path or URI) with `config` merged onto it as overrides,
+    or `config` alone (every unset field at its default)."""
+    if config_file is not None:
+        return read_run_config(config_file, config or {})
+    return validated_run_config(config or {}, "flow parameter `config`")
+
+
 @flow(name="longstraw-train")
-def train(config: RunConfig, resume: bool = False) -> list[StepMetrics]:
-    """Run `config.train.num_steps` GRPO steps (continuing after the latest checkpoint with resume)."""
+def train(
+    config: dict[str, Any] | None = None, resume: bool = False, config_file: str | None = None
+) -> list[StepMetrics]:
+    """Run `num_steps` GRPO steps (continuing after the latest checkpoint with `resume`).
+
+    `config_file` names a YAML run config (a path or URI: in the image, on a volume, in S3);
+    `config` holds overrides merged onto it section by section (`{"run_id": "x"}` changes the
+    run id and nothing else), or the whole config when there is no file.
+    """
     logger = get_run_logger()
-    start = open_run_task(config, resume)
-    if start.step:
+    config = run_config(config, config_file)
+    start_stage_group(config.parallel)
+    policy = open_run(config, resume)
+    truncate_metrics(config.storage, config.run_id, policy.step)
+    if policy.step:
         logger.info(
             "resuming run %s at step %d (policy version %d)",
             config.run_id,
-            start.step,
-            start.policy_version,
+            policy.step,
+            policy.policy_version,
         )
     history = []
-    for _ in range(start.step, config.train.num_steps):
-        history.append(grpo_step(config))
+    while policy.step < config.train.num_steps:
+        policy, metrics = grpo_step(config, policy)
+        history.append(metrics)
+        after_step(config, metrics)
     if history:
-        key = _key(config.run_id)
+        key = artifact_key(config.run_id)
         create_table_artifact(
             [m.model_dump(mode="json", exclude={"seconds"}) for m in history],
             key=f"{key}-metrics",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from longstraw.schemas.results import GroupStats
 from longstraw.schemas.storage import PrefixStateRef
 
 
@@ -72,37 +73,110 @@ class ShardRef(_Ref):
     """False when the shard was read back from storage instead of computed."""
 
 
-class RolloutRef(_Ref):
-    """A group's sampled responses and rewards (the state stays in the process's session)."""
+class PolicyRef(_Ref):
+    """The weights of one policy version of a run: a committed checkpoint and the updates since.
 
-    handle: str
-    """Name of the rollout in the process-local registry."""
+    A process that holds the version in memory uses it as it is; any other process rebuilds it
+    from `checkpoint` (weights, optimizer and trainer state) by applying `updates` in order with
+    the run's optimizer — the same operations on the same bits, so the same weights.
+    """
+
+    run_id: str
+    step: int = Field(ge=0)
+    """Rollout steps completed at this version (the next step's index)."""
+    policy_version: int = Field(ge=0)
+    weights_digest: str
+    """Identity of the weights: the checkpoint's digest at its own version, else derived from
+    (checkpoint digest, version) without re-hashing."""
+    checkpoint: CheckpointRef
+    """The latest committed checkpoint at or before this version (the run's starting
+    checkpoint before the first one is written)."""
+    checkpoint_is_run_start: bool = False
+    """True when `checkpoint` is the model the run started from (no optimizer state yet)."""
+    updates: tuple[GradRef, ...] = ()
+    """Reduced gradients applied since `checkpoint`, oldest first."""
+
+
+class RolloutRef(_Ref):
+    """A group's sampled responses and rewards, stored as a JSON record (`RolloutRecord`)."""
+
+    uri: str
+    """file:// URI of the record."""
+    digest: str
+    """sha256 of the record's bytes."""
+    prompt: PromptRef
+    step: int = Field(ge=0)
+    rewards: list[float]
+    """[G] (also in the record; here so that advantages need no read)."""
+    seconds: dict[str, float] = Field(default_factory=dict)
+    """Seconds spent producing it, by stage (rollout, reward)."""
+
+
+class RolloutRecord(_Ref):
+    """What a rollout produced for one group; every list has one entry per response."""
+
     prompt: PromptRef
     response_ids: list[list[int]]
     sampler_logprobs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
     rewards: list[float]
+    importance_weights: list[list[float]] | None = None
+    """[G][R_i] truncated importance weights of imported responses (None for own rollouts)."""
+
+
+class ScoresRef(_Ref):
+    """No-grad log-probs [G][R_i] of a group's responses, stored as JSON."""
+
+    uri: str
+    digest: str
+    which: str
+    """"reference" (KL term) or "old" (the rollout policy, num_iterations > 1)."""
+    seconds: float = 0.0
+
+
+class BackwardResult(_Ref):
+    """One group's gradient contribution and the statistics of its loss."""
+
+    grad: GradRef
+    stats: GroupStats
+
+
+class PrefillReport(_Ref):
+    """A prompt's state for one policy version and how much of it this call computed."""
+
+    state: PrefixStateRef | None
+    """The committed state; None when persistence is off (then only this process holds it)."""
+    shards_computed: int
+    shards_reused: int
+    """Shards read back from storage (a resumed or repeated prefill) instead of computed."""
+    seconds: float = 0.0
 
 
 class UpdateResult(_Ref):
     """What an optimizer step produced."""
 
+    policy: PolicyRef
+    """The weights after the update."""
     policy_version: int
     """Version after the update."""
     grad_norm: float
     learning_rate: float
     clipped: bool
-    checkpoint: CheckpointRef | None = None
-    """Set when this update's version was checkpointed."""
+    seconds: float = 0.0
 
 
 __all__ = [
+    "BackwardResult",
     "CheckpointRef",
     "GradRef",
+    "PolicyRef",
+    "PrefillReport",
     "PrefixStateRef",
     "PromptRef",
+    "RolloutRecord",
     "RolloutRef",
+    "ScoresRef",
     "ShardRef",
     "TensorSpec",
     "UpdateResult",

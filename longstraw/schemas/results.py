@@ -88,3 +88,16 @@ class StepMetrics(BaseModel):
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""
     shards_reused: int = 0
+
+
+class AdvantagePlan(BaseModel):
+    """Advantages, loss masks and the step's normalisers, fixed before any replay."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    advantages: list[list[float]]
+    """[groups][G]"""
+    loss_masks: list[list[list[float]]]
+    """[groups][G][R_i]"""
+    num_items_in_batch: float
+    num_sequences_in_batch: int

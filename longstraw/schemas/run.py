@@ -39,6 +39,9 @@ class ModelConfig(_Section):
     """Weights and activations dtype. Gradients and the prompt cotangent are fp32 either way."""
     reference_checkpoint: str | None = None
     """Reference model for the KL term (beta > 0). None: the run's initial checkpoint."""
+    device: Literal["auto", "cpu"] = "auto"
+    """auto: each process computes on its local rank's GPU when CUDA is available, else the CPU;
+    cpu: always the CPU."""
 
 
 class EngineConfig(_Section):
@@ -106,9 +109,19 @@ class ParallelConfig(_Section):
     """Processes that share one step (torch.distributed)."""
 
     world_size: int = Field(default=1, ge=1)
-    """Ranks that sequence-shard one prompt's state (1: single process)."""
+    """Ranks that sequence-shard each prompt's state: prefill, rollout, scoring and backward run
+    on all of them (1: a single process). Without torchrun, `longstraw train` starts the other
+    ranks itself on this machine; under torchrun (several nodes) it must equal WORLD_SIZE."""
     backend: Literal["gloo", "nccl"] = "gloo"
-    """torch.distributed backend: gloo on CPU, nccl on GPUs."""
+    """torch.distributed backend of the tensors' traffic: gloo on CPU, nccl on GPUs (control
+    messages between the ranks always go over gloo)."""
+    schedule: Literal["sequential", "wavefront"] = "sequential"
+    """Prefill schedule over the ranks: sequential (shard by shard, each recorded as it is
+    computed) or wavefront (every rank computing at once; bitwise the same state, recorded when
+    the wavefront ends)."""
+    timeout_s: float = Field(default=1800.0, gt=0)
+    """Longest wait for another rank inside one collective before the step fails (a rank that
+    died is usually noticed at once, by its closed connection)."""
 
 
 class RunConfig(_Section):
@@ -151,25 +164,48 @@ class ConfigError(ValueError):
     """A run configuration file that cannot be used, with every offending field named."""
 
 
-def load_run_config(path: str | Path, **overrides) -> RunConfig:
-    """Read a YAML run config; errors name the file and each bad field by its dotted path."""
-    path = Path(path)
+def merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` merged in, section by section (a nested mapping merges into the
+    base's mapping; anything else replaces it)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_run_config(text: str, source: str, overrides: dict | None = None) -> RunConfig:
+    """A RunConfig from YAML `text` (named `source` in errors) with `overrides` merged in."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError as error:
-        raise ConfigError(f"config file {path} does not exist") from error
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+        raise ConfigError(f"{source} is not valid YAML: {error}") from error
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"{path} must hold a mapping of sections (model:, grpo:, ...), got {type(raw).__name__}"
+            f"{source} must hold a mapping of sections (model:, grpo:, ...), got {type(raw).__name__}"
         )
-    raw.update(overrides)
+    return validated_run_config(merged(raw, overrides or {}), source)
+
+
+def validated_run_config(raw: dict, source: str) -> RunConfig:
+    """Validate a config mapping; errors name `source` and each bad field by its dotted path."""
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as error:
-        lines = [f"{path}: {error.error_count()} invalid setting(s):"]
+        lines = [f"{source}: {error.error_count()} invalid setting(s):"]
         for item in error.errors():
             where = ".".join(str(part) for part in item["loc"]) or "(top level)"
             lines.append(f"  {where}: {item['msg']}")
         raise ConfigError("\n".join(lines)) from error
+
+
+def load_run_config(path: str | Path, **overrides) -> RunConfig:
+    """Read a YAML run config; `overrides` (sections or values) are merged onto it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {path} does not exist") from error
+    return parse_run_config(text, str(path), overrides)

@@ -1,8 +1,8 @@
-"""Training checkpoints: a Hugging Face directory + optimizer, RNG and trainer state (no pickle).
+"""Training checkpoints: a Hugging Face directory + optimizer and trainer state (no pickle).
 
 Layout: `{root}/runs/{run_id}/checkpoints/v{policy_version:06d}/` holding what `from_pretrained`
 loads (config.json, model.safetensors, tokenizer files), `longstraw.json` (weights digest and
-policy version, hashed once here), `optimizer.safetensors`, `rng.safetensors` and
+policy version, hashed once here), `optimizer.safetensors` and
 `trainer_state.json`. A checkpoint is written into a temporary sibling and renamed into place:
 the rename is the commit, so a crash mid-write leaves no readable half checkpoint, and a retried
 write of the same version keeps the first complete one.
@@ -28,7 +28,6 @@ from longstraw.schemas.storage import StorageConfig
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
 
 
 def local_root(storage: StorageConfig) -> Path:
@@ -55,7 +54,6 @@ def save_training_checkpoint(
     model,
     tokenizer,
     optimizer_tensors: dict[str, torch.Tensor],
-    rng_tensors: dict[str, torch.Tensor],
     trainer_state: dict,
 ) -> CheckpointRef:
     """Write and commit checkpoint `policy_version` of `run_id`; returns its ref."""
@@ -69,7 +67,6 @@ def save_training_checkpoint(
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
-        save_file(rng_tensors, str(tmp / RNG_FILE))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         write_checkpoint_metadata(tmp, policy_version=policy_version)
         os.rename(tmp, final)
@@ -104,12 +101,9 @@ def latest_checkpoint(storage: StorageConfig, run_id: str) -> Path | None:
     return done[-1] if done else None
 
 
-def load_training_state(
-    path: Path,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """(optimizer tensors, RNG tensors, trainer state) of a committed checkpoint."""
+def load_training_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(optimizer tensors, trainer state) of a committed checkpoint."""
     return (
         load_file(str(path / OPTIMIZER_FILE)),
-        load_file(str(path / RNG_FILE)),
         json.loads((path / TRAINER_STATE).read_text()),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from prefect.cache_policies import CacheKeyFnPolicy
 
 from longstraw.tasks.locks import CrashSafeFileLockManager
@@ -22,6 +24,15 @@ def retry_on_transient(task, task_run, state) -> bool:
     return False
 
 
+def config_digest(config) -> str:
+    """sha256 of the settings that change a prompt state (model, dtype, shard size)."""
+    relevant = {
+        "model": config.model.model_dump(mode="json"),
+        "shard_tokens": config.engine.shard_tokens,
+    }
+    return hashlib.sha256(repr(sorted(relevant.items())).encode()).hexdigest()[:16]
+
+
 def prefill_shard_cache_key(context, parameters) -> str:
     """(task name, run, weights digest, prompt digest, version, shard index, config digest).
 
@@ -31,13 +42,13 @@ def prefill_shard_cache_key(context, parameters) -> str:
     prompt = parameters["prompt"]
     return "-".join(
         (
-            "prefill_prompt_shard",
+            "prefill_shard",
             parameters["config"].run_id,
             prompt.weights_digest[:24],
             prompt.prompt_digest[:24],
             f"v{prompt.policy_version}",
             f"s{parameters['shard']}",
-            parameters["config_digest"],
+            config_digest(parameters["config"]),
         )
     )
 

@@ -1,21 +1,25 @@
-"""Everything a training run holds between steps, and how a run is opened or resumed."""
+"""A run's policy in memory, where a run starts, and how a process rebuilds a `PolicyRef`."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.state import PrefixState
+from longstraw.engine.group import GradBuffer
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.models.factory import init_model
-from longstraw.schemas.results import StepMetrics
+from longstraw.schemas.refs import CheckpointRef, GradRef, PolicyRef
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import (
+    TRAINER_STATE,
+    checkpoint_ref,
     latest_checkpoint,
     load_training_state,
     local_root,
@@ -28,30 +32,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class RunContext:
-    """A training run in memory: model, optimizer, data, RNG and progress."""
+    """A training run's policy in memory: model, optimizer, data and where its weights came from."""
 
     config: RunConfig
     model: PreTrainedModel
     tokenizer: object
     optimizer: PolicyOptimizer
     source: object
-    generator: torch.Generator
-    """Sampling RNG (saved in every checkpoint so a resumed run draws the same responses)."""
-    checkpoint_digest: str
-    """Weights digest of the last checkpoint written or loaded (hashed once at write time)."""
-    checkpoint_version: int
-    """Policy version of that checkpoint."""
+    checkpoint: CheckpointRef
+    """The committed checkpoint these weights start from (the run's start model at first)."""
+    checkpoint_is_run_start: bool
+    updates: list[GradRef] = field(default_factory=list)
+    """Reduced gradients applied since `checkpoint`, oldest first."""
     step: int = 0
     """Rollout steps completed."""
     policy_version: int = 0
     """Optimizer updates applied so far."""
     reference_model: PreTrainedModel | None = None
     reference_digest: str | None = None
-    reference_states: dict[str, PrefixState] = field(default_factory=dict)
+    reference_states: dict[str, object] = field(default_factory=dict)
     """Reference prompt states by prompt digest, kept in memory when storage.persist_mode is off
     (otherwise storage holds them): the reference never changes, so each prompt is prefilled once
     per run. Memory: one state per distinct prompt."""
-    history: list[StepMetrics] = field(default_factory=list)
 
     @property
     def weights_digest(self) -> str:
@@ -60,15 +62,27 @@ class RunContext:
         The checkpoint's own digest when the current version was checkpointed; otherwise a digest
         derived from (last checkpoint digest, current version): weights are never re-hashed per step.
         """
-        if self.policy_version == self.checkpoint_version:
-            return self.checkpoint_digest
+        if self.policy_version == self.checkpoint.policy_version:
+            return self.checkpoint.weights_digest
         return hashlib.sha256(
-            f"{self.checkpoint_digest}:{self.policy_version}".encode()
+            f"{self.checkpoint.weights_digest}:{self.policy_version}".encode()
         ).hexdigest()
 
     @property
     def run_path(self) -> Path:
         return run_dir(self.config.storage, self.config.run_id)
+
+    def policy_ref(self) -> PolicyRef:
+        """The ref another process rebuilds these weights from."""
+        return PolicyRef(
+            run_id=self.config.run_id,
+            step=self.step,
+            policy_version=self.policy_version,
+            weights_digest=self.weights_digest,
+            checkpoint=self.checkpoint,
+            checkpoint_is_run_start=self.checkpoint_is_run_start,
+            updates=tuple(self.updates),
+        )
 
 
 def initial_checkpoint(config: RunConfig) -> Path:
@@ -84,48 +98,101 @@ def initial_checkpoint(config: RunConfig) -> Path:
     return path
 
 
-def open_run(config: RunConfig, *, resume: bool = False) -> RunContext:
-    """Load the starting weights (or, with `resume`, the latest committed checkpoint of the run)."""
-    dtype = _DTYPES[config.model.dtype]
-    start = latest_checkpoint(config.storage, config.run_id) if resume else None
-    if resume and start is None:
-        raise ValueError(
-            f"--resume: run {config.run_id!r} has no committed checkpoint under "
-            f"{run_dir(config.storage, config.run_id)}; start it without --resume"
+def model_device(config: RunConfig) -> torch.device:
+    """Where this process computes: its local rank's GPU when there is one, else the CPU."""
+    if config.model.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def start_policy(config: RunConfig, *, resume: bool = False) -> PolicyRef:
+    """The ref of the run's starting weights: the latest committed checkpoint of the run with
+    `resume`, else the configured (or built) model."""
+    if resume:
+        start = latest_checkpoint(config.storage, config.run_id)
+        if start is None:
+            raise ValueError(
+                f"--resume: run {config.run_id!r} has no committed checkpoint under "
+                f"{run_dir(config.storage, config.run_id)}; start it without --resume"
+            )
+        step = int(json.loads((start / TRAINER_STATE).read_text())["step"])
+        checkpoint = checkpoint_ref(start)
+        return PolicyRef(
+            run_id=config.run_id,
+            step=step,
+            policy_version=checkpoint.policy_version,
+            weights_digest=checkpoint.weights_digest,
+            checkpoint=checkpoint,
         )
-    path = start or initial_checkpoint(config)
+    path = initial_checkpoint(config)
+    meta = read_checkpoint_metadata(path)
+    checkpoint = CheckpointRef(
+        uri=f"file://{path.resolve()}",
+        weights_digest=meta.weights_digest,
+        policy_version=meta.policy_version,
+    )
+    return PolicyRef(
+        run_id=config.run_id,
+        step=0,
+        policy_version=meta.policy_version,
+        weights_digest=meta.weights_digest,
+        checkpoint=checkpoint,
+        checkpoint_is_run_start=True,
+    )
+
+
+def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
+    """Rebuild the weights `policy` names in this process: load its checkpoint, apply its
+    updates in order (bitwise the weights of the process that made them)."""
+    from longstraw.storage.artifacts import read_grads
+
+    if policy.run_id != config.run_id:
+        raise ValueError(f"policy of run {policy.run_id!r} given with config of {config.run_id!r}")
+    path = Path(policy.checkpoint.uri.removeprefix("file://"))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {path} of run {config.run_id!r} does not exist; resume from the run's "
+            "latest checkpoint (--resume)"
+        )
+    dtype = _DTYPES[config.model.dtype]
     model, tokenizer, meta = load_checkpoint(path, dtype=dtype)
-    model.train(
-        False
-    )  # no dropout in these families; eval() keeps transformers off train-only paths
+    model.to(model_device(config))
+    # No dropout in these families; eval() keeps transformers off train-only paths.
+    model.train(False)
     for p in model.parameters():
         p.requires_grad_(True)
-    torch.manual_seed(config.train.seed)
-    generator = torch.Generator().manual_seed(config.train.seed)
     optimizer = PolicyOptimizer(
         model, config.grpo, num_steps=config.train.num_steps * config.grpo.num_iterations
     )
+    if not policy.checkpoint_is_run_start:
+        optimizer_tensors, _ = load_training_state(path)
+        optimizer.load_state_tensors(optimizer_tensors)
     ctx = RunContext(
         config=config,
         model=model,
         tokenizer=tokenizer,
         optimizer=optimizer,
         source=prompt_source(config.data, tokenizer),
-        generator=generator,
-        checkpoint_digest=meta.weights_digest,
-        checkpoint_version=meta.policy_version,
+        checkpoint=policy.checkpoint,
+        checkpoint_is_run_start=policy.checkpoint_is_run_start,
+        step=policy.step,
         policy_version=meta.policy_version,
     )
-    if start is not None:
-        optimizer_tensors, rng, trainer_state = load_training_state(start)
-        optimizer.load_state_tensors(optimizer_tensors)
-        generator.set_state(rng["sampling"])
-        torch.set_rng_state(rng["torch"])
-        ctx.step = int(trainer_state["step"])
-        ctx.history = [StepMetrics.model_validate(m) for m in trainer_state.get("history", [])]
+    for update in policy.updates:
+        grads = GradBuffer.from_tensors(read_grads(update, model_device(config)))
+        ctx.optimizer.apply(grads)
+        ctx.policy_version += 1
+        ctx.updates.append(update)
+    if (ctx.policy_version, ctx.weights_digest) != (policy.policy_version, policy.weights_digest):
+        raise ValueError(
+            f"rebuilding run {config.run_id!r} at version {policy.policy_version} from "
+            f"{path} gave version {ctx.policy_version} ({ctx.weights_digest[:12]}), not "
+            f"{policy.weights_digest[:12]}: the ref does not belong to this checkpoint"
+        )
     if config.grpo.beta > 0:
         ref_path = Path(config.model.reference_checkpoint or initial_checkpoint(config))
         reference, _, ref_meta = load_checkpoint(ref_path, dtype=dtype)
+        reference.to(model_device(config))
         reference.requires_grad_(False)
         ctx.reference_model = reference
         ctx.reference_digest = (

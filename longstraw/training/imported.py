@@ -60,18 +60,25 @@ class ImportedResponses:
 
 
 def imported_importance_weights(
-    model, state: PrefixState, responses: list[Response], *, temperature: float, cap: float
+    model,
+    state: PrefixState,
+    responses: list[Response],
+    *,
+    temperature: float,
+    cap: float,
+    score=score_responses,
 ) -> list[torch.Tensor] | None:
-    """[G][R_i] truncated importance weights, or None when no response has sampler log-probs."""
+    """[G][R_i] truncated importance weights, or None when no response has sampler log-probs.
+
+    `score(model, state, ids, temperature=)` gives this trainer's no-grad log-probs (a rank's
+    sharded scoring on a sequence-sharded state)."""
     if not any(r.logprobs for r in responses):
         return None
     if not all(len(r.logprobs) == len(r.token_ids) for r in responses):
         raise ValueError(
             "either every imported response of a group carries sampler_logprobs or none does"
         )
-    trainer = score_responses(
-        model, state, [r.token_ids for r in responses], temperature=temperature
-    )
+    trainer = score(model, state, [r.token_ids for r in responses], temperature=temperature)
     return [
         importance_weights(t, torch.tensor(r.logprobs, dtype=torch.float64), cap).float()
         for t, r in zip(trainer, responses, strict=True)

@@ -1,313 +1,157 @@
-"""One GRPO step as separate stages: rollout, rewards, advantages, reference, gradient, update.
+"""One GRPO step, composed once from its stages; the loop and the Prefect flow both run it.
 
-Each stage is a function of plain values so that a Prefect task can wrap it (refs in, refs out);
-`run_step` composes them for the in-process path. A step prefills each group's prompt once and
-uses that state for rollout, scoring and every branch's gradient.
+`run_step(config, policy, stages)` calls each stage through `stages`: `IN_PROCESS` (the stage
+functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.tasks`). The
+composition — which prompts, which stage after which, the normalisers, the step counter, the
+checkpoint cadence, the metrics — exists only here.
 """
 
 from __future__ import annotations
 
-import resource
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-import longstraw.data.rewards  # noqa: F401  (registers the synthetic tasks' rewards)
-from longstraw.engine.group import GradBuffer, accumulate_group_gradients
-from longstraw.engine.rollout import Response, SamplingParams, sample_responses, score_responses
-from longstraw.engine.state import PrefixState
-from longstraw.grpo.advantages import group_advantages
-from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.optim import UpdateStats
-from longstraw.grpo.rewards import score_group
-from longstraw.schemas.refs import UpdateResult
+from longstraw.schemas.refs import PolicyRef, UpdateResult
 from longstraw.schemas.results import GroupStats, StepMetrics
-from longstraw.schemas.storage import StateKey
-from longstraw.training.context import RunContext
-from longstraw.training.imported import imported_importance_weights
-from longstraw.training.persisted_prefill import PrefillOutcome, persisted_prefill
-from longstraw.training.prompts import PromptExample
+from longstraw.schemas.run import RunConfig
+from longstraw.training import progress
+from longstraw.training import stages as _stages
 
 
-@dataclass
-class GroupRollout:
-    """One prompt's group: its state, the sampled responses and their rewards."""
+@dataclass(frozen=True)
+class Stages:
+    """The callables a step is made of (each with the signature of the stage it names)."""
 
-    example: PromptExample
-    state: PrefixState
-    prefill: PrefillOutcome
-    responses: list[Response]
-    rewards: list[float]
-    seconds: dict[str, float] = field(default_factory=dict)
-    importance_weights: list[torch.Tensor] | None = None
-    """[G][R_i] truncated importance weights of imported responses (None for own rollouts)."""
-
-
-def policy_state(ctx: RunContext, example: PromptExample) -> tuple[PrefixState, PrefillOutcome]:
-    """The current policy's state of `example` (reused from storage when already committed)."""
-    return persisted_prefill(
-        ctx.model,
-        example.prompt_ids,
-        shard_tokens=ctx.config.engine.shard_tokens,
-        storage=ctx.config.storage,
-        key=policy_key(ctx, example),
-    )
+    plan_step: Callable
+    prefill_shard: Callable
+    prefill_prompt: Callable
+    rollout_group: Callable
+    score_group: Callable
+    compute_advantages: Callable
+    backward_group: Callable
+    reduce_gradients: Callable
+    apply_update: Callable
+    write_checkpoint: Callable
+    record_step: Callable
+    on_prefill_shard: Callable[[int, int], None] | None = None
+    """Progress callback (shards done, shards in the step)."""
 
 
-def policy_key(ctx: RunContext, example: PromptExample) -> StateKey:
-    """Storage key of `example`'s state under the run's current weights."""
-    return StateKey.policy(
-        ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest
-    )
+IN_PROCESS = Stages(
+    plan_step=_stages.plan_step,
+    prefill_shard=_stages.prefill_shard,
+    prefill_prompt=_stages.prefill_prompt,
+    rollout_group=_stages.rollout_group,
+    score_group=_stages.score_group,
+    compute_advantages=_stages.compute_advantages,
+    backward_group=_stages.backward_group,
+    reduce_gradients=_stages.reduce_gradients,
+    apply_update=_stages.apply_update,
+    write_checkpoint=_stages.write_checkpoint,
+    record_step=_stages.record_step,
+)
 
 
-def sampling_params(ctx: RunContext) -> SamplingParams:
-    cfg = ctx.config.grpo
-    eos = ctx.tokenizer.eos_token_id
-    return SamplingParams(
-        num_samples=cfg.num_generations,
-        max_new_tokens=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p,
-        stop_token_ids=() if eos is None else (int(eos),),
-    )
+def _prefill(config: RunConfig, policy: PolicyRef, prompts, stages: Stages):
+    """Each prompt's state: shard by shard (one cacheable stage call each) on a single process,
+    one call per prompt on the ranks, then the commit."""
+    total = sum(p.num_shards for p in prompts)
+    done = 0
+    reports = []
+    for prompt in prompts:
+        if config.parallel.world_size == 1:
+            for shard in range(prompt.num_shards):
+                stages.prefill_shard(config, policy, prompt, shard)
+                done += 1
+                progress.emit("prefill_shard", done=done, total=total)
+                if stages.on_prefill_shard is not None:
+                    stages.on_prefill_shard(done, total)
+        reports.append(stages.prefill_prompt(config, policy, prompt))
+    return reports
 
 
-def rollout_group(ctx: RunContext, example: PromptExample) -> GroupRollout:
-    """Prefill (or reuse) the prompt state, sample G responses from it, score them."""
-    seconds = {}
-    started = time.perf_counter()
-    state, outcome = policy_state(ctx, example)
-    seconds["prefill"] = time.perf_counter() - started
-    started = time.perf_counter()
-    responses, weights = group_responses(ctx, example, state)
-    seconds["rollout"] = time.perf_counter() - started
-    started = time.perf_counter()
-    rewards = score_group(
-        example.rewards,
-        ctx.config.grpo.reward_weights,
-        example.text or "",
-        [r.text or "" for r in responses],
-        example.metadata,
-    )
-    seconds["reward"] = time.perf_counter() - started
-    return GroupRollout(
-        example, state, outcome, responses, [float(r) for r in rewards], seconds, weights
-    )
-
-
-def group_responses(
-    ctx: RunContext, example: PromptExample, state: PrefixState
-) -> tuple[list[Response], list[torch.Tensor] | None]:
-    """Sample the group here, or take it from the run's imported responses (with TIS weights)."""
-    imported = getattr(ctx.source, "imported", None)
-    if imported is None:
-        responses = sample_responses(
-            ctx.model, state, sampling_params(ctx), generator=ctx.generator, tokenizer=ctx.tokenizer
-        )
-        return responses, None
-    responses = imported.group(example.prompt_id, ctx.policy_version)
-    cfg = ctx.config.grpo
-    weights = None
-    if cfg.vllm_importance_sampling_correction:
-        weights = imported_importance_weights(
-            ctx.model,
-            state,
-            responses,
-            temperature=cfg.temperature,
-            cap=cfg.vllm_importance_sampling_cap,
-        )
-    return responses, weights
-
-
-def reference_state(ctx: RunContext, example: PromptExample) -> PrefixState:
-    """The reference model's state of `example`: prefilled once per prompt and run.
-
-    Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
-    state reads back free in-process); with persist_mode off, the run context keeps it.
-    """
-    keep = ctx.config.storage.persist_mode == "off"
-    if keep and example.digest in ctx.reference_states:
-        return ctx.reference_states[example.digest]
-    key = StateKey.reference(ctx.reference_digest, example.digest)
-    state, _ = persisted_prefill(
-        ctx.reference_model,
-        example.prompt_ids,
-        shard_tokens=ctx.config.engine.shard_tokens,
-        storage=ctx.config.storage,
-        key=key,
-    )
-    if keep:
-        ctx.reference_states[example.digest] = state
-    return state
-
-
-def reference_logprobs(ctx: RunContext, rollout: GroupRollout) -> list[torch.Tensor] | None:
-    """Reference-model log-probs of the group's responses (beta > 0), from its own prompt state.
-
-    The reference state is keyed by the reference weights digest only: computed once per prompt,
-    then read back (free in-process) at every later step.
-    """
-    if ctx.reference_model is None:
-        return None
-    state = reference_state(ctx, rollout.example)
-    return score_responses(
-        ctx.reference_model,
-        state,
-        [r.token_ids for r in rollout.responses],
-        temperature=ctx.config.grpo.temperature,
-    )
-
-
-def response_masks(ctx: RunContext, rollout: GroupRollout) -> list[torch.Tensor]:
-    """[G][R_i] loss masks (truncated completions zeroed when mask_truncated_completions)."""
-    return [
-        loss_mask(torch.ones(len(r.token_ids)), r.truncated, ctx.config.grpo)
-        for r in rollout.responses
-    ]
-
-
-def group_gradient(
-    ctx: RunContext,
-    rollout: GroupRollout,
-    advantages_G: torch.Tensor,
-    *,
-    masks: list[torch.Tensor],
-    ref_logprobs: list[torch.Tensor] | None,
-    old_logprobs: list[torch.Tensor] | None,
-    num_items_in_batch: float,
-    num_sequences_in_batch: int,
-) -> tuple[GradBuffer, GroupStats]:
-    """This group's fp32 gradient contribution, from zeroed buffers (safe to retry)."""
-    grads = GradBuffer(ctx.model)
-    stats = accumulate_group_gradients(
-        ctx.model,
-        rollout.state,
-        [r.token_ids for r in rollout.responses],
-        advantages_G,
-        ctx.config.grpo,
-        shard_tokens=ctx.config.engine.shard_tokens,
-        prompt_grad=ctx.config.engine.prompt_grad,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        loss_masks=masks,
-        num_items_in_batch=num_items_in_batch,
-        num_sequences_in_batch=num_sequences_in_batch,
-        grad_buffer=grads,
-        importance_weights=rollout.importance_weights,
-    )
-    return grads, stats
-
-
-def reduce_gradients(contributions: list[GradBuffer]) -> GradBuffer:
-    """Sum of the groups' contributions (the normaliser was applied once, before replay)."""
-    total = contributions[0]
-    for other in contributions[1:]:
-        total.add_(other)
-    return total
-
-
-def apply_update(ctx: RunContext, grads: GradBuffer) -> UpdateStats:
-    """Optimizer step; the policy version increments."""
-    update = ctx.optimizer.apply(grads)
-    ctx.policy_version += 1
-    return update
-
-
-def _std(values: torch.Tensor) -> float:
-    return float(values.std()) if values.numel() > 1 else 0.0
-
-
-def run_step(ctx: RunContext) -> StepMetrics:
-    """Rollout every group of the step, then `num_iterations` updates on those rollouts."""
-    cfg = ctx.config
+def run_step(
+    config: RunConfig, policy: PolicyRef, stages: Stages = IN_PROCESS
+) -> tuple[PolicyRef, StepMetrics]:
+    """Step `policy.step`: rollout every group, then `num_iterations` updates on those
+    rollouts; a checkpoint when the cadence asks. Returns the new policy and the step's record."""
     seconds: dict[str, float] = {}
 
     def add(stage: str, value: float) -> None:
         seconds[stage] = seconds.get(stage, 0.0) + value
 
-    version_at_rollout = ctx.policy_version
-    first = ctx.step * cfg.train.groups_per_step
-    rollouts = []
-    for index in range(first, first + cfg.train.groups_per_step):
-        rollout = rollout_group(ctx, ctx.source(index))
+    prompts = stages.plan_step(config, policy)
+    started = time.perf_counter()
+    reports = _prefill(config, policy, prompts, stages)
+    add("prefill", time.perf_counter() - started)
+    rollouts = [stages.rollout_group(config, policy, p) for p in prompts]
+    for rollout in rollouts:
         for stage, value in rollout.seconds.items():
             add(stage, value)
-        rollouts.append(rollout)
-
-    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)  # [groups, G]
-    advantages = group_advantages(rewards, cfg.grpo.scale_rewards).to(torch.float32)
-    masks = [response_masks(ctx, r) for r in rollouts]
-    num_items = float(sum(float(m.sum()) for group in masks for m in group))
-    num_sequences = sum(len(group) for group in masks)
-
-    started = time.perf_counter()
-    refs = [reference_logprobs(ctx, r) for r in rollouts]
-    add("reference", time.perf_counter() - started)
+    plan = stages.compute_advantages(config, rollouts)
+    refs = [
+        stages.score_group(config, policy, r, "reference") if config.grpo.beta > 0 else None
+        for r in rollouts
+    ]
     # More than one update per rollout needs the rollout policy's log-probs (no-grad replay).
-    olds = (
-        [
-            score_responses(
-                ctx.model,
-                r.state,
-                [x.token_ids for x in r.responses],
-                temperature=cfg.grpo.temperature,
-            )
-            for r in rollouts
-        ]
-        if cfg.grpo.num_iterations > 1
-        else [None] * len(rollouts)
-    )
+    olds = [
+        stages.score_group(config, policy, r, "old") if config.grpo.num_iterations > 1 else None
+        for r in rollouts
+    ]
+    add("reference", sum(s.seconds for s in refs if s is not None))
+    add("score_old", sum(s.seconds for s in olds if s is not None))
 
+    current = policy
     group_stats: list[GroupStats] = []
-    update = None
-    for iteration in range(cfg.grpo.num_iterations):
+    update: UpdateResult | None = None
+    for iteration in range(config.grpo.num_iterations):
         if iteration > 0:
-            # The weights changed: the prompt states must be recomputed for the new version.
-            for rollout in rollouts:
-                started = time.perf_counter()
-                rollout.state, _ = policy_state(ctx, rollout.example)
-                add("prefill", time.perf_counter() - started)
-        contributions, group_stats = [], []
-        for g, rollout in enumerate(rollouts):
-            grads, stats = group_gradient(
-                ctx,
-                rollout,
-                advantages[g],
-                masks=masks[g],
-                ref_logprobs=refs[g],
-                old_logprobs=olds[g],
-                num_items_in_batch=num_items,
-                num_sequences_in_batch=num_sequences,
-            )
+            # The weights changed: the prompt states of the new version.
+            started = time.perf_counter()
+            reports += _prefill(config, current, stages.plan_step(config, current), stages)
+            add("prefill", time.perf_counter() - started)
+        results = [
+            stages.backward_group(config, current, rollout, plan, g, refs[g], olds[g], iteration)
+            for g, rollout in enumerate(rollouts)
+        ]
+        group_stats = [r.stats for r in results]
+        for stats in group_stats:
             add("replay", stats.seconds.replay)
             add("sweep", stats.seconds.sweep)
-            contributions.append(grads)
-            group_stats.append(stats)
+        total = stages.reduce_gradients(config, current, [r.grad for r in results], iteration)
+        update = stages.apply_update(config, current, total)
+        add("update", update.seconds)
+        current = update.policy
+    current = current.model_copy(update={"step": policy.step + 1})
+    if _stages.is_checkpoint_step(config, current.step):
         started = time.perf_counter()
-        update = apply_update(ctx, reduce_gradients(contributions))
-        add("update", time.perf_counter() - started)
-
-    ctx.step += 1
+        current = stages.write_checkpoint(config, current)
+        add("checkpoint", time.perf_counter() - started)
     metrics = step_metrics(
-        step=ctx.step - 1,
-        policy_version=version_at_rollout,
-        rewards=rewards,
-        advantages=advantages,
+        step=policy.step,
+        policy_version=policy.policy_version,
+        rewards=torch.tensor([r.rewards for r in rollouts], dtype=torch.float64),
+        advantages=torch.tensor(plan.advantages, dtype=torch.float64),
         group_stats=group_stats,
         update=update,
-        prompt_tokens=sum(r.state.prompt_len for r in rollouts),
-        num_items=num_items,
-        truncated=[x.truncated for r in rollouts for x in r.responses],
+        prompt_tokens=sum(p.num_tokens for p in prompts),
+        num_items=plan.num_items_in_batch,
+        truncated=[t for r in rollouts for t in _stages.rollout_record(r).truncated],
         seconds=seconds,
-        shards_computed=sum(r.prefill.shards_computed for r in rollouts),
-        shards_reused=sum(r.prefill.shards_reused for r in rollouts),
+        shards_computed=sum(r.shards_computed for r in reports),
+        shards_reused=sum(r.shards_reused for r in reports),
     )
-    ctx.history.append(metrics)
-    return metrics
+    metrics = stages.record_step(config, metrics)
+    progress.emit("step", step=metrics.step)
+    return current, metrics
+
+
+def _std(values: torch.Tensor) -> float:
+    return float(values.std()) if values.numel() > 1 else 0.0
 
 
 def step_metrics(
@@ -325,8 +169,7 @@ def step_metrics(
     shards_computed: int,
     shards_reused: int,
 ) -> StepMetrics:
-    """The audit record of one step (`rewards`/`advantages` [groups, G]), for both the in-process
-    loop and the Prefect flow."""
+    """The audit record of one step (`rewards`/`advantages` [groups, G])."""
     kls = [s.kl for s in group_stats if s.kl is not None]
     count = max(len(group_stats), 1)
     return StepMetrics(
@@ -350,7 +193,7 @@ def step_metrics(
         num_groups=rewards.shape[0],
         truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
         shards_computed=shards_computed,
         shards_reused=shards_reused,
     )

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from longstraw.tasks.distributed import (
+    ShardedGroupJob,
+    load_grad_file,
+    retry_on_rank_death,
+    sharded_backward_group,
+)
 
 from longstraw.distributed.launch import RankFailedError
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
@@ -11,12 +17,6 @@ from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import read_manifest
 from longstraw.storage.paths import state_dir_uri
-from longstraw.tasks.distributed import (
-    ShardedGroupJob,
-    load_grad_file,
-    retry_on_rank_death,
-    sharded_backward_group,
-)
 
 SEED = 42
 

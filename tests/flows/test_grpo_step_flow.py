@@ -27,14 +27,16 @@ def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
     from longstraw.flows.grpo_step import grpo_step
     from longstraw.models.checkpoint import read_checkpoint_metadata
     from longstraw.storage.checkpoints import latest_checkpoint
-    from longstraw.tasks import runtime
+    from longstraw.tasks.stages import open_run
+    from longstraw.training import held
 
     config = tiny_run_config(runs_root, "grpo-step-flow", num_steps=2)
-    runtime.forget_run(config.run_id)
+    held.forget_run(config.run_id)
 
-    state = grpo_step(config, return_state=True)
+    state = grpo_step(config, open_run.fn(config), return_state=True)
     assert state.is_completed(), state
-    metrics = state.result()
+    policy, metrics = state.result()
+    assert (policy.step, policy.policy_version) == (1, 1)
 
     assert metrics.step == 0 and metrics.policy_version == 0
     assert metrics.num_groups == 1
@@ -43,10 +45,10 @@ def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
     assert metrics.shards_computed == NUM_SHARDS and metrics.shards_reused == 0
     assert metrics.grad_norm > 0 and math.isfinite(metrics.loss)
     assert metrics.reward_std > 0, "the tiny reward must vary, or the step trains nothing"
-    # (write_checkpoint runs after summarize_step, so its seconds land in the next step's record.)
-    assert {"prefill", "rollout", "replay", "sweep", "update"} <= set(metrics.seconds), (
+    # Every stage's seconds land in the step that spent them, the checkpoint's included.
+    assert {"prefill", "rollout", "replay", "sweep", "update", "checkpoint"} <= set(
         metrics.seconds
-    )
+    ), metrics.seconds
 
     # checkpoint_every=1: the step's update (version 1) was committed and loads in transformers.
     path = latest_checkpoint(config.storage, config.run_id)
@@ -57,10 +59,10 @@ def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
 
     flow_run_id = state.state_details.flow_run_id
     runs = task_runs_of(flow_run_id)
-    assert state_names(runs, "prefill_prompt_shard") == ["Completed"] * NUM_SHARDS
-    for name in ("plan_step", "commit_prompt_state", "rollout_group", "compute_advantages"):
+    assert state_names(runs, "prefill_shard") == ["Completed"] * NUM_SHARDS
+    for name in ("plan_step", "prefill_prompt", "rollout_group", "compute_advantages"):
         assert state_names(runs, name) == ["Completed"], (name, [r.name for r in runs])
-    for name in ("backward_group", "reduce_gradients", "apply_update", "summarize_step"):
+    for name in ("backward_group", "reduce_gradients", "apply_update", "record_step"):
         assert state_names(runs, name) == ["Completed"], (name, [r.name for r in runs])
     assert state_names(runs, "write_checkpoint") == ["Completed"]
 

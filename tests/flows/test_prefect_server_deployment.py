@@ -142,7 +142,7 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, run
         print(f"seconds: {seconds}")
 
         assert state_names(runs, "open_run") == ["Completed"]
-        assert state_names(runs, "prefill_prompt_shard") == ["Completed"] * NUM_SHARDS
+        assert state_names(runs, "prefill_shard") == ["Completed"] * NUM_SHARDS
         for name in ("rollout_group", "backward_group", "apply_update", "write_checkpoint"):
             assert state_names(runs, name) == ["Completed"], name
         assert {f"{RUN_ID}-metrics", f"{RUN_ID}-reward-curve", f"{RUN_ID}-step"} <= set(artifacts)

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 def _train(config, *, resume: bool):
     from longstraw.flows.train import train
 
-    state = train(config, resume=resume, return_state=True)
+    state = train(config.model_dump(mode="json"), resume=resume, return_state=True)
     assert state.is_completed(), state
     return state.result(), state.state_details.flow_run_id
 
@@ -61,5 +61,5 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     third, flow_run_id = _train(config, resume=True)
     assert [m.step for m in third] == [1]
     assert (third[0].shards_computed, third[0].shards_reused) == (0, NUM_SHARDS)
-    assert state_names(task_runs_of(flow_run_id), "prefill_prompt_shard") == ["Cached"] * NUM_SHARDS
+    assert state_names(task_runs_of(flow_run_id), "prefill_shard") == ["Cached"] * NUM_SHARDS
     assert final_weights_digest(config) == in_process_digest

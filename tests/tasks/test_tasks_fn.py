@@ -1,7 +1,8 @@
 """LongStraw's Prefect tasks called as plain functions (`.fn()`): refs in, refs out.
 
-No Prefect API is involved: `.fn()` runs the task body in this process, against the
-process-local registry (`longstraw.tasks.runtime`) and the run's storage under tmp.
+No Prefect API is involved: `.fn()` runs the stage in this process, against what this process
+holds behind the refs (`longstraw.training.held`, `longstraw.storage.artifacts`) and the run's
+storage under tmp.
 """
 
 from __future__ import annotations
@@ -14,14 +15,23 @@ from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.rewards import register_reward
 from longstraw.models.checkpoint import read_checkpoint_metadata
 from longstraw.schemas.data import HaystackTaskConfig
-from longstraw.schemas.refs import GradRef, PromptRef, RolloutRef
+from longstraw.schemas.refs import GradRef, PromptRef, RolloutRecord
 from longstraw.schemas.run import RunConfig
-from longstraw.tasks import runtime
-from longstraw.tasks.backward import apply_update, backward_group, reduce_gradients
-from longstraw.tasks.plan import compute_advantages, plan_step
+from longstraw.storage import artifacts
 from longstraw.tasks.policies import retry_on_transient
-from longstraw.tasks.prefill import commit_prompt_state, prefill_prompt_shard
-from longstraw.tasks.rollout import rollout_group, score_branches
+from longstraw.tasks.stages import (
+    apply_update,
+    backward_group,
+    compute_advantages,
+    open_run,
+    plan_step,
+    prefill_prompt,
+    prefill_shard,
+    reduce_gradients,
+    rollout_group,
+    score_group,
+)
+from longstraw.training import held
 from longstraw.training.context import initial_checkpoint
 
 PROMPT_TOKENS = 63
@@ -64,20 +74,19 @@ def tiny_config(root, run_id: str, **grpo) -> RunConfig:
     )
 
 
-def _prompt(config) -> PromptRef:
-    (prompt,) = plan_step.fn(config)
-    return prompt
+def _start(config):
+    held.forget_run(config.run_id)
+    policy = open_run.fn(config)
+    (prompt,) = plan_step.fn(config, policy)
+    return policy, prompt
 
 
 def test_plan_step_returns_the_steps_prompt_refs_at_the_current_version(root):
     config = tiny_config(root, "plan")
-    runtime.forget_run(config.run_id)
-    prompts = plan_step.fn(config)
+    policy, prompt = _start(config)
 
-    assert len(prompts) == config.train.groups_per_step == 1
-    (prompt,) = prompts
-    ctx = runtime.run_context(config)
-    example = ctx.source(0)
+    assert config.train.groups_per_step == 1
+    example = held.policy(config, policy).source(0)
     assert prompt.index == 0
     assert prompt.prompt_id == example.prompt_id
     assert prompt.prompt_digest == example.digest
@@ -85,38 +94,35 @@ def test_plan_step_returns_the_steps_prompt_refs_at_the_current_version(root):
     assert prompt.num_shards == NUM_SHARDS
     assert prompt.policy_version == 0
     initial = read_checkpoint_metadata(initial_checkpoint(config)).weights_digest
-    assert prompt.weights_digest == initial
+    assert prompt.weights_digest == initial == policy.weights_digest
 
 
-def test_prefill_shard_tasks_compute_each_shard_once_and_commit_counts_them(root):
+def test_prefill_shard_tasks_compute_each_shard_once_and_the_commit_counts_them(root):
     config = tiny_config(root, "prefill")
-    runtime.forget_run(config.run_id)
-    prompt = _prompt(config)
-    digest = runtime.config_digest(config)
+    policy, prompt = _start(config)
 
-    first = prefill_prompt_shard.fn(config, prompt, 0, digest)
+    first = prefill_shard.fn(config, policy, prompt, 0)
     assert (first.shard, first.computed, first.policy_version) == (0, True, 0)
     assert first.prompt_digest == prompt.prompt_digest
     assert first.weights_digest == prompt.weights_digest
-    # The same shard again is already in the session: nothing computed.
-    assert prefill_prompt_shard.fn(config, prompt, 0, digest).computed is False
-    assert prefill_prompt_shard.fn(config, prompt, NUM_SHARDS - 1, digest).computed is True
+    # The same shard again is already held: nothing computed.
+    assert prefill_shard.fn(config, policy, prompt, 0).computed is False
+    assert prefill_shard.fn(config, policy, prompt, NUM_SHARDS - 1).computed is True
 
-    report = commit_prompt_state.fn(config, prompt)
+    report = prefill_prompt.fn(config, policy, prompt)
     assert (report.shards_computed, report.shards_reused) == (NUM_SHARDS, 0)
-    assert report.ref is not None and report.ref.num_tokens == PROMPT_TOKENS - 1
+    assert report.state is not None and report.state.num_tokens == PROMPT_TOKENS - 1
 
-    # A fresh process (registry forgotten) reads the committed state back: nothing recomputed.
-    runtime.forget_run(config.run_id)
-    again = commit_prompt_state.fn(config, _prompt(config))
+    # A fresh process (nothing held) reads the committed state back: nothing recomputed.
+    held.forget_run(config.run_id)
+    again = prefill_prompt.fn(config, policy, prompt)
     assert (again.shards_computed, again.shards_reused) == (0, NUM_SHARDS)
-    assert again.ref == report.ref
+    assert again.state == report.state
 
 
-def test_compute_advantages_matches_group_advantages_and_fixes_the_normalisers(root):
-    config = tiny_config(root, "advantages", mask_truncated_completions=True)
+def _rollout(root, config, rewards, lengths, truncated, g):
     prompt = PromptRef(
-        index=0,
+        index=g,
         prompt_id="p",
         prompt_digest="d",
         num_tokens=PROMPT_TOKENS,
@@ -124,25 +130,30 @@ def test_compute_advantages_matches_group_advantages_and_fixes_the_normalisers(r
         policy_version=0,
         weights_digest="w",
     )
+    record = RolloutRecord(
+        prompt=prompt,
+        response_ids=[[7] * n for n in lengths],
+        sampler_logprobs=[[-1.0] * n for n in lengths],
+        texts=["x"] * len(lengths),
+        truncated=truncated,
+        rewards=rewards,
+    )
+    uri, digest = artifacts.write_json(root / f"record-{g}.json", record)
+    from longstraw.schemas.refs import RolloutRef
+
+    return RolloutRef(uri=uri, digest=digest, prompt=prompt, step=0, rewards=rewards)
+
+
+def test_compute_advantages_matches_group_advantages_and_fixes_the_normalisers(root):
+    config = tiny_config(root, "advantages", mask_truncated_completions=True)
     rewards = [[0.0, 1.0, 0.5], [0.25, 0.25, 1.0]]
     lengths = [[2, 1, 2], [1, 2, 2]]
     truncated = [[True, False, False], [False, False, True]]
-    rollouts = [
-        RolloutRef(
-            handle=f"h{g}",
-            prompt=prompt,
-            response_ids=[[7] * n for n in lengths[g]],
-            sampler_logprobs=[[-1.0] * n for n in lengths[g]],
-            texts=["x"] * 3,
-            truncated=truncated[g],
-            rewards=rewards[g],
-        )
-        for g in range(2)
-    ]
+    rollouts = [_rollout(root, config, rewards[g], lengths[g], truncated[g], g) for g in range(2)]
     plan = compute_advantages.fn(config, rollouts)
 
-    expected = group_advantages(torch.tensor(rewards, dtype=torch.float64), "group")
-    assert torch.equal(torch.tensor(plan.advantages, dtype=torch.float64), expected)
+    expected = group_advantages(torch.tensor(rewards, dtype=torch.float64), "group").float()
+    assert torch.equal(torch.tensor(plan.advantages), expected)
     # Truncated completions are masked out of the loss (mask_truncated_completions).
     assert plan.loss_masks == [[[0.0, 0.0], [1.0], [1.0, 1.0]], [[1.0], [1.0, 1.0], [0.0, 0.0]]]
     assert plan.num_items_in_batch == 6.0
@@ -165,33 +176,34 @@ def test_invalid_run_configs_are_refused_when_built():
 
 def test_tasks_refuse_bad_parameters_before_any_compute(root):
     config = tiny_config(root, "refuse")
-    runtime.forget_run(config.run_id)
-    prompt = _prompt(config)
-    digest = runtime.config_digest(config)
-    session = runtime.session(runtime.run_context(config), runtime.run_context(config).source(0))
+    policy, prompt = _start(config)
 
     with pytest.raises(ValueError, match="out of range"):
-        prefill_prompt_shard.fn(config, prompt, NUM_SHARDS, digest)
-    with pytest.raises(ValueError, match="config_digest"):
-        prefill_prompt_shard.fn(config, prompt, 0, "0" * 16)
+        prefill_shard.fn(config, policy, prompt, NUM_SHARDS)
     stale = prompt.model_copy(update={"policy_version": 1})
     with pytest.raises(ValueError, match="plan the step again"):
-        prefill_prompt_shard.fn(config, stale, 0, digest)
+        prefill_shard.fn(config, policy, stale, 0)
+    two_ranks = config.model_copy(
+        update={"parallel": config.parallel.model_copy(update={"world_size": 2})}
+    )
+    with pytest.raises(ValueError, match="prefill_prompt"):
+        prefill_shard.fn(two_ranks, policy, prompt, 0)
+    session = held.session(held.policy(config, policy), held.policy(config, policy).source(0))
     assert session.shards_computed == 0
 
     with pytest.raises(ValueError, match="'reference' or 'old'"):
-        score_branches.fn(config, None, "new")
+        score_group.fn(config, policy, None, "new")
 
     def grad_ref(version: int) -> GradRef:
-        return GradRef(uri=f"memory://grads/none-{version}", digest="x", policy_version=version)
+        return GradRef(uri=f"file://{root}/none-{version}", digest="x", policy_version=version)
 
-    with pytest.raises(ValueError, match="different policy versions"):
-        reduce_gradients.fn([grad_ref(0), grad_ref(1)])
+    with pytest.raises(ValueError, match="cannot update version 0"):
+        reduce_gradients.fn(config, policy, [grad_ref(0), grad_ref(1)])
 
-    ctx = runtime.run_context(config)
+    ctx = held.policy(config, policy)
     before = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
     with pytest.raises(ValueError, match="recompute the step's backward"):
-        apply_update.fn(config, grad_ref(5), final_of_step=True)
+        apply_update.fn(config, policy, grad_ref(5))
     assert ctx.policy_version == 0 and ctx.optimizer.step_count == 0
     for name, p in ctx.model.named_parameters():
         assert torch.equal(p, before[name]), name
@@ -203,23 +215,12 @@ def test_backward_group_retried_after_a_failure_mid_sweep_gives_the_same_gradien
     import longstraw.engine.group as group_module
 
     config = tiny_config(root, "retry")
-    runtime.forget_run(config.run_id)
-    prompt = _prompt(config)
-    commit_prompt_state.fn(config, prompt)
-    rollout = rollout_group.fn(config, prompt)
+    policy, prompt = _start(config)
+    prefill_prompt.fn(config, policy, prompt)
+    rollout = rollout_group.fn(config, policy, prompt)
     plan = compute_advantages.fn(config, [rollout])
 
-    def backward():
-        return backward_group.fn(
-            config,
-            rollout,
-            plan.advantages[0],
-            plan.loss_masks[0],
-            plan.num_items_in_batch,
-            plan.num_sequences_in_batch,
-        )
-
-    clean = backward()
+    clean = backward_group.fn(config, policy, rollout, plan, 0).grad
 
     # Fail after every branch and the first swept shard were added into the task's buffers.
     real_sweep = group_module.sweep_prompt_shards
@@ -232,15 +233,14 @@ def test_backward_group_retried_after_a_failure_mid_sweep_gives_the_same_gradien
 
     monkeypatch.setattr(group_module, "sweep_prompt_shards", failing_sweep)
     with pytest.raises(OSError, match="injected"):
-        backward()
+        backward_group.fn(config, policy, rollout, plan, 0)
     monkeypatch.setattr(group_module, "sweep_prompt_shards", real_sweep)
-    retried = backward()
+    retried = backward_group.fn(config, policy, rollout, plan, 0).grad
 
     assert retried.digest == clean.digest, "a retry must start from zeroed buffers"
     assert retried.policy_version == clean.policy_version == 0
-    grads = runtime.take_grads(retried).grads
+    grads = artifacts.read_grads(retried)
     assert any(float(g.abs().max()) > 0 for g in grads.values())
-    runtime.take_grads(clean)
 
 
 class _State:
@@ -274,9 +274,7 @@ def test_grad_ref_digest_tells_equal_doubled_and_partial_contributions_apart():
     partial.grads["weight"].copy_(grads.grads["weight"])
 
     def digest(buffer):
-        ref = runtime.put_grads(buffer, policy_version=0, num_tokens=1)
-        runtime.take_grads(ref)
-        return ref.digest
+        return artifacts.grads_digest(buffer.grads)
 
     assert digest(grads) == digest(same)
     assert len({digest(grads), digest(doubled), digest(partial)}) == 3

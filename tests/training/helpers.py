@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from longstraw.schemas.results import StepMetrics
@@ -68,3 +70,15 @@ def run_config(
 def algorithm_fields(metrics: StepMetrics) -> dict:
     """A step's metrics without wall-clock and memory numbers."""
     return metrics.model_dump(exclude=MACHINE_FIELDS)
+
+
+def checksum_reward(prompt: str, response: str, metadata: dict) -> float:
+    """A reward that differs between responses (so advantages and gradients are non-zero),
+    importable by a fresh process as `tests.training.helpers:checksum_reward`.
+
+    `LONGSTRAW_TEST_REWARD_DELAY_S` makes each call slow without changing its value, so a crash
+    test can hold a step open after its prompt state is committed."""
+    delay = float(os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_S", "0"))
+    if delay:
+        time.sleep(delay)
+    return (sum(response.encode()) % 11) / 10.0

@@ -41,9 +41,9 @@ def test_resumed_step_equals_uninterrupted_step(interrupted_and_uninterrupted):
     whole, resumed = interrupted_and_uninterrupted
     assert resumed.step == whole.step == 3
     assert resumed.policy_version == whole.policy_version == 3
-    # The resumed process ran only step 3; steps 1-2 came back from trainer_state.json.
+    # The resumed process ran only step 3 (the metrics file holds the earlier ones).
     assert [algorithm_fields(m) for m in resumed.history] == [
-        algorithm_fields(m) for m in whole.history
+        algorithm_fields(m) for m in whole.history[-1:]
     ]
     assert resumed.history[-1].loss == whole.history[-1].loss
     assert resumed.history[-1].reward_mean == whole.history[-1].reward_mean
@@ -54,11 +54,12 @@ def test_resumed_step_equals_uninterrupted_step(interrupted_and_uninterrupted):
 def test_resumed_run_ends_with_the_same_weights(interrupted_and_uninterrupted):
     whole, resumed = interrupted_and_uninterrupted
     assert resumed.checkpoint_digest == whole.checkpoint_digest
+    whole_weights = load_checkpoint(latest_checkpoint(whole.config.storage, "whole"))[0]
+    resumed_weights = load_checkpoint(latest_checkpoint(resumed.config.storage, "split"))[0]
     for (name, a), (_, b) in zip(
-        whole.model.named_parameters(), resumed.model.named_parameters(), strict=True
+        whole_weights.named_parameters(), resumed_weights.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
-    assert torch.equal(whole.generator.get_state(), resumed.generator.get_state())
 
 
 def test_metrics_file_holds_every_step_once(interrupted_and_uninterrupted):
@@ -77,7 +78,9 @@ def test_checkpoint_is_a_hugging_face_directory_without_pickle(interrupted_and_u
     assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.safetensors"} <= set(
         names
     )
-    assert {"rng.safetensors", "trainer_state.json", "longstraw.json"} <= set(names)
+    assert {"trainer_state.json", "longstraw.json"} <= set(names)
+    # No RNG state: rollouts draw from a generator seeded by (seed, step, prompt).
+    assert "rng.safetensors" not in names
     for file in path.iterdir():
         assert file.suffix in (".json", ".safetensors", ".jinja"), file.name
         assert not file.read_bytes().startswith(PICKLE_MAGIC), file.name
@@ -88,13 +91,11 @@ def test_checkpoint_is_a_hugging_face_directory_without_pickle(interrupted_and_u
     model = AutoModelForCausalLM.from_pretrained(str(path))
     AutoTokenizer.from_pretrained(str(path))
     for (name, a), (_, b) in zip(
-        model.named_parameters(), resumed.model.named_parameters(), strict=True
+        model.named_parameters(), resumed.context().model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
     meta = read_checkpoint_metadata(path)
     assert (meta.policy_version, meta.weights_digest) == (3, resumed.checkpoint_digest)
-    rng = load_file(str(path / "rng.safetensors"))
-    assert set(rng) == {"sampling", "torch"}
 
 
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, checkpoint_dir):

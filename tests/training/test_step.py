@@ -5,23 +5,27 @@ Legend: P prompt tokens, R response tokens, V vocab.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import longstraw.training.persisted_prefill as persisted_prefill_module
-import longstraw.training.step as step_module
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import token_logprobs
-from longstraw.training.context import open_run
+from longstraw.training import held, stages
+from longstraw.training import stages as step_module
 from longstraw.training.loop import train
-from longstraw.training.step import GroupRollout, reference_logprobs, rollout_group, run_step
+from longstraw.training.step import run_step
 from tests.training.helpers import run_config
 
 # Replay over a prefix state vs one full forward: fp32 reorderings (STYLE.md).
 LOGP_ATOL = 1e-5
 NUM_SHARDS = 3  # 63 state tokens in shards of 23
+CHECKSUM_REWARD = "tests.training.helpers:checksum_reward"
 
 
 @pytest.fixture
@@ -47,15 +51,20 @@ def test_reference_state_is_prefilled_once_per_prompt(
         checkpoint_dir("qwen3_5"),
         num_steps=3,
         grpo={"beta": 0.04},
-        data={"num_prompts": 2},  # two prompts, seen at every step
+        # Two prompts, seen at every step; a reward that varies, so every step moves the policy.
+        data={"num_prompts": 2, "rewards": [CHECKSUM_REWARD]},
         persist_mode=persist_mode,
     )
     per_step = []
-    ctx = train(config, on_step=lambda c, m: per_step.append(count_prefills[id(c.reference_model)]))
+
+    def reference_prefills(metrics) -> None:
+        per_step.append(count_prefills[id(held.held_policy(config.run_id).reference_model)])
+
+    ctx = train(config, on_step=reference_prefills)
     # Step 0 prefills both prompts (3 shards each); steps 1 and 2 reuse those states.
     assert per_step == [2 * NUM_SHARDS] * 3
     # The policy changes every step, so its states are recomputed every step.
-    assert count_prefills[id(ctx.model)] == 3 * 2 * NUM_SHARDS
+    assert count_prefills[id(ctx.context().model)] == 3 * 2 * NUM_SHARDS
     kls = [m.kl for m in ctx.history]
     # At step 0 the policy is the reference: the same weights on the same state, bitwise.
     assert kls[0] == 0.0 and all(k > 0 for k in kls[1:]), kls
@@ -65,16 +74,24 @@ def test_reference_logprobs_match_the_reference_full_forward(tmp_path, checkpoin
     config = run_config(
         tmp_path, checkpoint_dir("qwen3_5"), grpo={"beta": 0.04, "temperature": 0.8}
     )
-    ctx = open_run(config)
+    policy = stages.open_run(config)
+    ctx = held.policy(config, policy)
     assert ctx.reference_model is not ctx.model
     # Move the policy so that policy and reference differ; the reference must not follow.
     with torch.no_grad():
         for p in ctx.model.parameters():
             p.add_(0.01)
-    rollout: GroupRollout = rollout_group(ctx, ctx.source(0))
-    refs = reference_logprobs(ctx, rollout)
-    prompt_P = rollout.example.prompt_ids
-    for response, ref_R in zip(rollout.responses, refs, strict=True):
+    prompt = stages.plan_step(config, policy)[0]
+    stages.prefill_prompt(config, policy, prompt)
+    rollout = stages.rollout_group(config, policy, prompt)
+    scores = stages.score_group(config, policy, rollout, "reference")
+    refs = [torch.tensor(r) for r in json.loads(Path(scores.uri[7:]).read_text())]
+    record = stages.rollout_record(rollout)
+    prompt_P = ctx.source(prompt.index).prompt_ids
+    for ids_R, sampler_R, ref_R in zip(
+        record.response_ids, record.sampler_logprobs, refs, strict=True
+    ):
+        response = SimpleNamespace(token_ids=ids_R, logprobs=sampler_R)
         ids = torch.cat([prompt_P, torch.tensor(response.token_ids)])
         with torch.no_grad():
             logits = ctx.reference_model(input_ids=ids.unsqueeze(0)).logits  # [1, P+R, V]
@@ -93,8 +110,14 @@ def test_reference_logprobs_match_the_reference_full_forward(tmp_path, checkpoin
 def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
     tmp_path, checkpoint_dir, monkeypatch
 ):
-    config = run_config(tmp_path, checkpoint_dir("qwen3_5"), grpo={"num_iterations": 2})
-    ctx = open_run(config)
+    config = run_config(
+        tmp_path,
+        checkpoint_dir("qwen3_5"),
+        grpo={"num_iterations": 2},
+        data={"rewards": [CHECKSUM_REWARD]},
+    )
+    policy = stages.open_run(config)
+    ctx = held.policy(config, policy)
     scored, calls = [], []
     real_score, real_accumulate = (
         step_module.score_responses,
@@ -123,15 +146,17 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
 
     monkeypatch.setattr(step_module, "score_responses", spy_score)
     monkeypatch.setattr(step_module, "accumulate_group_gradients", spy_accumulate)
-    metrics = run_step(ctx)
+    after, metrics = run_step(config, policy)
 
-    assert ctx.policy_version == 2 and metrics.policy_version == 0
+    assert ctx.policy_version == after.policy_version == 2 and metrics.policy_version == 0
     assert [c["version"] for c in calls] == [0, 0, 1, 1]  # 2 groups x 2 updates
     # Old log-probs: one no-grad replay per group by the policy of the rollout.
     assert len(scored) == 2 and all(model is ctx.model for model, _, _ in scored)
     for g in range(2):
         first, second = calls[g], calls[2 + g]
-        assert first["old"] is second["old"] is scored[g][2]
+        # The old log-probs pass between stages as a stored record: the same values.
+        for old_1, old_2, old_scored in zip(first["old"], second["old"], scored[g][2], strict=True):
+            assert torch.equal(old_1, old_scored) and torch.equal(old_2, old_scored)
         assert not any(t.requires_grad for t in first["old"])
         # The first update runs on the rollout's weights: current log-probs equal the old ones.
         for old, now in zip(first["old"], first["logprobs"], strict=True):

@@ -1,0 +1,300 @@
+"""Run a training step's stages on every rank of a sequence group, driven from rank 0.
+
+The training loop (or the Prefect flow) runs in one process, the driver, which is rank 0. A stage
+that works on the model (prefill, rollout, scoring, backward, update, checkpoint) is decorated
+with `on_all_ranks`: called on the driver, it first tells every other rank to call the same
+function with the same arguments (refs and configs: small, picklable), then runs it as rank 0;
+the other ranks sit in `StageGroup.serve`. The stage's collectives therefore meet, and a stage
+is written once, as SPMD code, whatever the world size.
+
+Where the ranks come from:
+
+* `torchrun` (several nodes, c10d rendezvous): it sets RANK / WORLD_SIZE / MASTER_ADDR; every
+  process runs `longstraw train`; rank 0 drives, the others serve until the driver stops them.
+* no launcher: the driver spawns ranks 1..N-1 on this machine (rendezvous on 127.0.0.1).
+
+Control messages (which stage, its arguments, each rank's outcome) go over a gloo group, the
+tensors' traffic over `parallel.backend` (NCCL on GPUs). After every stage, the ranks exchange
+their outcome, so an error on any rank fails the stage on all of them with that rank's
+traceback; a rank that died breaks the connections and fails the driver's next collective with
+`RankFailedError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import functools
+import importlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longstraw.distributed.launch import RankFailedError, free_port
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STOP = "__stop__"
+_PR_SET_PDEATHSIG = 1
+
+
+class StageGroup:
+    """The ranks of one run; rank 0 drives (`call`), the others `serve`."""
+
+    def __init__(self, rank: int, world_size: int, control: dist.ProcessGroup, procs: list):
+        self.rank = rank
+        self.world_size = world_size
+        self.control = control
+        self.procs = procs
+        """Ranks this process spawned (empty under torchrun and on serving ranks)."""
+        self.serving = threading.local()
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def inside_stage(self) -> bool:
+        return getattr(self.serving, "active", False)
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run stage `name` on every rank; rank 0's result."""
+        assert self.is_driver, "only rank 0 drives stages"
+        try:
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
+            return self._run(name, args, kwargs)
+        except RankFailedError:
+            raise
+        except (RuntimeError, ConnectionError) as error:
+            dead = self.dead_rank()
+            if dead is not None:
+                rank, code = dead
+                raise RankFailedError(
+                    rank, f"process exited with code {code} during stage {name}", code
+                ) from error
+            raise
+
+    def _run(self, name: str, args: tuple, kwargs: dict) -> Any:
+        fn = _resolve(name)
+        self.serving.active = True
+        try:
+            result, failure = fn(*args, **kwargs), None
+        except Exception as error:  # reported to every rank below
+            result, failure = None, (self.rank, type(error).__name__, traceback.format_exc())
+            if not self.is_driver:
+                # Said at once: the driver may be waiting in a collective this rank never joins,
+                # and then only the group's timeout ends the stage.
+                sys.stderr.write(f"rank {self.rank}: stage {name} raised:\n{failure[2]}")
+                sys.stderr.flush()
+        finally:
+            self.serving.active = False
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, failure, group=self.control)
+        failed = [o for o in outcomes if o is not None]
+        if failed:
+            rank, kind, detail = failed[0]
+            raise RankFailedError(rank, f"stage {name} raised {kind} on rank {rank}:\n{detail}")
+        return result
+
+    def serve(self) -> None:
+        """Run the driver's stages until it stops the group (serving ranks only)."""
+        while True:
+            message: list[Any] = [None]
+            dist.broadcast_object_list(message, src=0, group=self.control)
+            name, args, kwargs = message[0]
+            if name == _STOP:
+                return
+            with contextlib.suppress(RankFailedError):
+                # The driver raises it; a serving rank goes on to the next command.
+                self._run(name, args, kwargs)
+
+    def dead_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) of a spawned rank that has exited, if any."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return rank, proc.exitcode
+        return None
+
+    def stop(self) -> None:
+        """Release the serving ranks and the process group (driver)."""
+        if self.is_driver and self.dead_rank() is None:
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([(_STOP, (), {})], src=0, group=self.control)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+_active: StageGroup | None = None
+_active_lock = threading.Lock()
+
+
+def active_group() -> StageGroup | None:
+    return _active
+
+
+def is_writer() -> bool:
+    """True on the process that writes shared files: rank 0, or the only process."""
+    return _active is None or _active.rank == 0
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+    module, _, qualname = name.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return getattr(target, "__wrapped__", target)
+
+
+def on_all_ranks(fn: F) -> F:
+    """Make a stage SPMD: with a stage group started, the driver's call runs `fn` on every rank.
+
+    `fn`'s first argument is the RunConfig; a driver with `parallel.world_size > 1` and no group
+    yet starts one."""
+    name = f"{fn.__module__}:{fn.__qualname__}"
+
+    @functools.wraps(fn)
+    def stage(*args, **kwargs):
+        config = args[0]
+        group = _active
+        if group is None and config.parallel.world_size > 1:
+            group = start_stage_group(config.parallel)
+        if group is None or group.inside_stage():
+            return fn(*args, **kwargs)
+        if group.world_size != config.parallel.world_size:
+            raise ValueError(
+                f"parallel.world_size is {config.parallel.world_size} but this process runs in a "
+                f"group of {group.world_size} ranks; use one world size per process"
+            )
+        return group.call(name, args, kwargs)
+
+    return stage  # type: ignore[return-value]
+
+
+def _threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _die_with_parent() -> None:
+    """Linux: a spawned rank gets SIGKILL when its driver dies, so no rank outlives a killed run."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _join(
+    rank: int, world_size: int, backend: str, timeout_s: float, init_method: str = "env://"
+) -> StageGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return StageGroup(rank, world_size, control, [])
+
+
+def _serve_spawned(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
+    _die_with_parent()
+    # `kill -USR1 <pid>` prints where a serving rank is (a hang's first question).
+    faulthandler.register(signal.SIGUSR1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(_threads_per_rank(world_size))
+    global _active
+    _active = _join(rank, world_size, backend, timeout_s, f"tcp://127.0.0.1:{port}")
+    try:
+        _active.serve()
+    finally:
+        _active.stop()
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def start_stage_group(parallel) -> StageGroup | None:
+    """Join (torchrun) or start (local spawn) the run's ranks; None for world_size 1.
+
+    On a serving rank this call does not return: it serves the driver's stages, then exits.
+    """
+    global _active
+    with _active_lock:
+        if _active is not None:
+            return _active
+        if parallel.world_size == 1:
+            return None
+        if launched_by_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != parallel.world_size:
+                raise ValueError(
+                    f"parallel.world_size is {parallel.world_size} but torchrun started "
+                    f"{world} processes; set parallel.world_size: {world} (nnodes × nproc-per-node)"
+                )
+            group = _join(int(os.environ["RANK"]), world, parallel.backend, parallel.timeout_s)
+            if not group.is_driver:
+                _active = group
+                try:
+                    group.serve()
+                finally:
+                    group.stop()
+                sys.exit(0)
+        else:
+            port = free_port()
+            context = mp.get_context("spawn")
+            procs = [
+                context.Process(
+                    target=_serve_spawned,
+                    args=(rank, parallel.world_size, port, parallel.backend, parallel.timeout_s),
+                    daemon=True,
+                )
+                for rank in range(1, parallel.world_size)
+            ]
+            for proc in procs:
+                proc.start()
+            # Not through os.environ: processes this driver starts later must not look like
+            # torchrun ranks.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            torch.set_num_threads(_threads_per_rank(parallel.world_size))
+            try:
+                group = _join(
+                    0,
+                    parallel.world_size,
+                    parallel.backend,
+                    parallel.timeout_s,
+                    f"tcp://127.0.0.1:{port}",
+                )
+            except BaseException:
+                for proc in procs:
+                    proc.kill()
+                raise
+            group.procs = procs
+        _active = group
+        atexit.register(stop_stage_group)
+        return group
+
+
+def stop_stage_group() -> None:
+    """Stop the run's ranks (driver); a no-op without a group."""
+    global _active
+    with _active_lock:
+        group, _active = _active, None
+    if group is not None:
+        group.stop()

@@ -1,0 +1,18 @@
+"""Reading a run's YAML config from a path or a URI (file://, s3://): the deployments name one
+shipped in the image, on a volume or in a bucket."""
+
+from __future__ import annotations
+
+import fsspec
+
+from longstraw.schemas.run import ConfigError, RunConfig, parse_run_config
+
+
+def read_run_config(uri: str, overrides: dict | None = None) -> RunConfig:
+    """The RunConfig at `uri` with `overrides` merged onto it (section by section)."""
+    try:
+        with fsspec.open(uri, "rt") as handle:
+            text = handle.read()
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {uri} does not exist") from error
+    return parse_run_config(text, uri, overrides)

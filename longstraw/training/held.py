@@ -1,0 +1,186 @@
+"""What this process holds behind the refs stages pass: policies and prompt states.
+
+Everything here is a cache. A stage asks for the object a ref names; on a miss (a fresh process,
+a retried task on another worker, a rank that restarted) it is rebuilt from storage: a policy from
+its checkpoint and the updates since, a prompt state from the committed Zarr state or its shard
+manifests (prefill resumes after the last recorded shard). So a stage gives the same result in
+any process from the same refs.
+
+With `parallel.world_size > 1` each rank holds its own slice of every prompt state
+(`ShardedPrefixState`), and a replica of the policy.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from longstraw.distributed.stage_group import active_group
+from longstraw.schemas.refs import PolicyRef, PromptRef
+from longstraw.schemas.run import RunConfig
+from longstraw.schemas.storage import StateKey
+from longstraw.training.context import RunContext, load_policy
+from longstraw.training.persisted_prefill import PrefillSession
+from longstraw.training.prompts import PromptExample
+
+_lock = threading.RLock()
+_policies: dict[str, RunContext] = {}
+_sessions: dict[tuple, PrefillSession] = {}
+_sharded_states: dict[tuple, tuple[object, object]] = {}
+
+
+def policy(config: RunConfig, ref: PolicyRef) -> RunContext:
+    """The run's policy at `ref`'s version, loaded (or rebuilt) on a miss."""
+    with _lock:
+        ctx = _policies.get(config.run_id)
+        if (
+            ctx is not None
+            and ctx.config == config
+            and (ctx.policy_version, ctx.weights_digest) == (ref.policy_version, ref.weights_digest)
+        ):
+            ctx.step = ref.step
+            return ctx
+        forget_run(config.run_id)
+        ctx = load_policy(config, ref)
+        _policies[config.run_id] = ctx
+        return ctx
+
+
+def forget_run(run_id: str) -> None:
+    """Drop what this process holds of a run (as a fresh process starts)."""
+    with _lock:
+        _policies.pop(run_id, None)
+        for key in [k for k in _sessions if k[0] == run_id]:
+            _sessions.pop(key).close()
+        for key in [k for k in _sharded_states if k[0] == run_id]:
+            _sharded_states.pop(key)
+
+
+def drop_states_before(run_id: str, policy_version: int) -> None:
+    """Free prompt states of older policy versions (invalid for the new weights)."""
+    with _lock:
+        for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
+            _sessions.pop(key).close()
+        for key in [k for k in _sharded_states if k[0] == run_id and k[1] < policy_version]:
+            _sharded_states.pop(key)
+
+
+def state_key(ctx: RunContext, example: PromptExample) -> StateKey:
+    """Storage key of `example`'s state under the run's current weights."""
+    return StateKey.policy(
+        ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest
+    )
+
+
+def check_prompt(ctx: RunContext, prompt: PromptRef) -> PromptExample:
+    """The example `prompt` names, refused when it was planned for other weights."""
+    if (prompt.policy_version, prompt.weights_digest) != (ctx.policy_version, ctx.weights_digest):
+        raise ValueError(
+            f"prompt {prompt.prompt_id} was planned at policy version {prompt.policy_version}, "
+            f"the run is at version {ctx.policy_version}: plan the step again"
+        )
+    example = ctx.source(prompt.index)
+    if example.digest != prompt.prompt_digest:
+        raise ValueError(
+            f"prompt {prompt.index} of the data source has digest {example.digest[:12]}, the ref "
+            f"says {prompt.prompt_digest[:12]}: the data changed since the step was planned"
+        )
+    return example
+
+
+def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
+    """The single-process prefill session of `example` at the run's current version."""
+    key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
+    with _lock:
+        found = _sessions.get(key)
+        if found is None:
+            found = PrefillSession(
+                ctx.model,
+                example.prompt_ids,
+                shard_tokens=ctx.config.engine.shard_tokens,
+                storage=ctx.config.storage,
+                key=state_key(ctx, example),
+            )
+            _sessions[key] = found
+        return found
+
+
+def sharded_state(ctx: RunContext, example: PromptExample):
+    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
+    computed, resumed or read back by every rank together."""
+    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+
+    key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
+    with _lock:
+        found = _sharded_states.get(key)
+        if found is None:
+            found = persisted_sharded_prefill(
+                ctx.model,
+                example.prompt_ids,
+                shard_tokens=ctx.config.engine.shard_tokens,
+                storage=ctx.config.storage,
+                key=state_key(ctx, example),
+                schedule=ctx.config.parallel.schedule,
+            )
+            _sharded_states[key] = found
+        return found
+
+
+def prompt_state(ctx: RunContext, example: PromptExample):
+    """The prompt state the engine computes on: this process's whole `PrefixState`, or this
+    rank's slice of it."""
+    if active_group() is not None:
+        state, _ = sharded_state(ctx, example)
+        return state
+    state, _ = session(ctx, example).finish()
+    return state
+
+
+def reference_state(ctx: RunContext, example: PromptExample):
+    """The reference model's state of `example`: prefilled once per prompt and run.
+
+    Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
+    state reads back free in-process); with persist_mode off, the run context keeps it.
+    """
+    from longstraw.training.persisted_prefill import persisted_prefill
+
+    keep = ctx.config.storage.persist_mode == "off"
+    if keep and example.digest in ctx.reference_states:
+        return ctx.reference_states[example.digest]
+    key = StateKey.reference(ctx.reference_digest, example.digest)
+    if active_group() is not None:
+        from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+
+        state, _ = persisted_sharded_prefill(
+            ctx.reference_model,
+            example.prompt_ids,
+            shard_tokens=ctx.config.engine.shard_tokens,
+            storage=ctx.config.storage,
+            key=key,
+            schedule=ctx.config.parallel.schedule,
+        )
+    else:
+        state, _ = persisted_prefill(
+            ctx.reference_model,
+            example.prompt_ids,
+            shard_tokens=ctx.config.engine.shard_tokens,
+            storage=ctx.config.storage,
+            key=key,
+        )
+    if keep:
+        ctx.reference_states[example.digest] = state
+    return state
+
+
+def sampling_generator(config: RunConfig, step: int, prompt_index: int) -> torch.Generator:
+    """The RNG of one group's rollout: a function of (seed, step, prompt), so any process —
+    every rank of a sequence group alike — draws the same responses for the same step."""
+    seed = (config.train.seed * 1_000_003 + step * 10_007 + prompt_index) % (2**63)
+    return torch.Generator().manual_seed(seed)
+
+
+def held_policy(run_id: str) -> RunContext | None:
+    """The policy of `run_id` this process holds now, if any (progress and tests look at it)."""
+    with _lock:
+        return _policies.get(run_id)

@@ -1,0 +1,85 @@
+"""A run's per-step metrics: `metrics.jsonl` keyed by step, and the reward plot beside it.
+
+A step's row is written once it is done; a step that runs again (a resumed run re-doing a step
+whose checkpoint was lost, a retried flow) replaces its row and drops the rows after it, which
+belonged to the abandoned attempt. The file is rewritten whole through a rename, so a reader
+never sees half a row and no step appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+from longstraw.schemas.results import StepMetrics
+from longstraw.schemas.storage import StorageConfig
+from longstraw.storage.checkpoints import run_dir
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "reward.png"
+
+
+def read_metrics(run_path: Path) -> list[StepMetrics]:
+    """The recorded steps, in step order."""
+    path = run_path / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = [
+        StepMetrics.model_validate(json.loads(line))
+        for line in path.read_text().splitlines()
+        if line
+    ]
+    return sorted(rows, key=lambda m: m.step)
+
+
+def write_step_metrics(storage: StorageConfig, run_id: str, metrics: StepMetrics) -> None:
+    """Record step `metrics.step`: rows before it are kept, its own and later ones replaced."""
+    run_path = run_dir(storage, run_id)
+    _write_rows(run_path, [m for m in read_metrics(run_path) if m.step < metrics.step] + [metrics])
+
+
+def truncate_metrics(storage: StorageConfig, run_id: str, steps_done: int) -> None:
+    """Keep only the rows of steps < `steps_done` (a run restarting from a checkpoint)."""
+    run_path = run_dir(storage, run_id)
+    if (run_path / METRICS_FILE).exists():
+        _write_rows(run_path, [m for m in read_metrics(run_path) if m.step < steps_done])
+
+
+def _write_rows(run_path: Path, rows: list[StepMetrics]) -> None:
+    run_path.mkdir(parents=True, exist_ok=True)
+    tmp = run_path / f"{METRICS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text("".join(m.model_dump_json() + "\n" for m in rows))
+    os.replace(tmp, run_path / METRICS_FILE)
+
+
+def plot_rewards(run_path: Path, history: list[StepMetrics]) -> Path | None:
+    """reward.png beside the checkpoints: mean reward (± std) per step."""
+    if not history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m.step for m in history]
+    mean = [m.reward_mean for m in history]
+    std = [m.reward_std for m in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, mean, marker="o", label="reward mean")
+    ax.fill_between(
+        steps,
+        [a - b for a, b in zip(mean, std, strict=True)],
+        [a + b for a, b in zip(mean, std, strict=True)],
+        alpha=0.2,
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = run_path / PLOT_FILE
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

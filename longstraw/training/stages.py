@@ -1,0 +1,517 @@
+"""The stages of one GRPO step: typed refs in, typed refs out, the same in any process.
+
+    plan_step ─► prefill_shard × N ─► prefill_prompt ─► rollout_group ─► score_group (ref / old)
+      ─► compute_advantages ─► backward_group × groups ─► reduce_gradients ─► apply_update
+      ─► write_checkpoint ─► record_step
+
+`longstraw.training.step.run_step` composes them; the in-process loop calls them as they are and
+the Prefect flow through one thin task each. What passes between stages is refs — a policy
+(checkpoint + updates since), prompt-state URIs, rollout and score records, gradient files —
+never a process's objects: a cache of this process sits behind each ref (`training.held`,
+`storage.artifacts`), and a stage run in a fresh process rebuilds what it needs from storage.
+
+Stages that compute on the model are `on_all_ranks`: with `parallel.world_size > 1` every rank
+runs them together on its slice of the prompt state (`longstraw.distributed`), and rank 0 writes
+the files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from longstraw.distributed.stage_group import active_group, is_writer, on_all_ranks
+from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
+from longstraw.engine.state import shard_bounds
+from longstraw.grpo.advantages import group_advantages
+from longstraw.grpo.losses import loss_mask, reduce_stats
+from longstraw.grpo.rewards import score_group as score_rewards
+from longstraw.schemas.refs import (
+    BackwardResult,
+    GradRef,
+    PolicyRef,
+    PrefillReport,
+    PromptRef,
+    RolloutRecord,
+    RolloutRef,
+    ScoresRef,
+    ShardRef,
+    UpdateResult,
+)
+from longstraw.schemas.results import AdvantagePlan, GroupStats, StageSeconds, StepMetrics
+from longstraw.schemas.run import RunConfig
+from longstraw.storage import artifacts
+from longstraw.storage.checkpoints import save_training_checkpoint
+from longstraw.training import held
+from longstraw.training.context import start_policy
+from longstraw.training.imported import imported_importance_weights
+from longstraw.training.metrics import write_step_metrics
+
+
+def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
+    """Where the run starts: its latest checkpoint (`resume`) or the configured model."""
+    return start_policy(config, resume=resume)
+
+
+def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
+    """The prompts of step `policy.step`, at the policy's version."""
+    ctx = held.policy(config, policy)
+    first = policy.step * config.train.groups_per_step
+    prompts = []
+    for index in range(first, first + config.train.groups_per_step):
+        example = ctx.source(index)
+        num_tokens = example.prompt_ids.numel()
+        prompts.append(
+            PromptRef(
+                index=index,
+                prompt_id=example.prompt_id,
+                prompt_digest=example.digest,
+                num_tokens=num_tokens,
+                num_shards=len(shard_bounds(num_tokens - 1, config.engine.shard_tokens)),
+                policy_version=policy.policy_version,
+                weights_digest=policy.weights_digest,
+            )
+        )
+    return prompts
+
+
+def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard: int) -> ShardRef:
+    """Make shards 0..`shard` of the prompt's state present (computed, or read back from the
+    shard manifests an earlier attempt recorded) and persisted. Single-process runs only: ranks
+    prefill a prompt together in `prefill_prompt`."""
+    if config.parallel.world_size > 1:
+        raise ValueError(
+            "prefill_shard is the single-process stage; with parallel.world_size > 1 the ranks "
+            "prefill the prompt together in prefill_prompt"
+        )
+    if not 0 <= shard < prompt.num_shards:
+        raise ValueError(
+            f"shard {shard} is out of range: prompt {prompt.prompt_id} has {prompt.num_shards} "
+            "shards (plan_step gives the count)"
+        )
+    ctx = held.policy(config, policy)
+    session = held.session(ctx, held.check_prompt(ctx, prompt))
+    before = session.shards_computed
+    session.ensure_shard(shard)
+    return ShardRef(
+        prompt_digest=prompt.prompt_digest,
+        shard=shard,
+        policy_version=prompt.policy_version,
+        weights_digest=prompt.weights_digest,
+        computed=session.shards_computed > before,
+    )
+
+
+@on_all_ranks
+def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> PrefillReport:
+    """The prompt's whole state at the policy's version: any shard still missing is computed,
+    then the state is verified and committed."""
+    started = time.perf_counter()
+    ctx = held.policy(config, policy)
+    example = held.check_prompt(ctx, prompt)
+    if active_group() is None:
+        _, outcome = held.session(ctx, example).finish()
+        computed, reused, ref = outcome.shards_computed, outcome.shards_reused, outcome.ref
+    else:
+        _, outcome = held.sharded_state(ctx, example)
+        counts = torch.tensor([outcome.shards_computed, outcome.shards_restored])
+        dist.all_reduce(counts)
+        computed, reused, ref = int(counts[0]), int(counts[1]), outcome.ref
+    return PrefillReport(
+        state=ref,
+        shards_computed=computed,
+        shards_reused=reused,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def sampling_params(ctx) -> SamplingParams:
+    cfg = ctx.config.grpo
+    eos = ctx.tokenizer.eos_token_id
+    return SamplingParams(
+        num_samples=cfg.num_generations,
+        max_new_tokens=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        stop_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _sample(ctx, state, generator):
+    if active_group() is None:
+        return sample_responses(
+            ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
+        )
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+
+    return sharded_sample_responses(
+        ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
+    )
+
+
+def score_logprobs(model, state, responses, *, temperature: float) -> list[torch.Tensor]:
+    """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
+    if active_group() is None:
+        return score_responses(model, state, responses, temperature=temperature)
+    from longstraw.distributed.sharded_replay import sharded_branch_logprobs
+
+    with torch.no_grad():
+        return [
+            sharded_branch_logprobs(
+                model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature
+            )[0]
+            for r in responses
+        ]
+
+
+@on_all_ranks
+def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> RolloutRef:
+    """Sample G responses in one batch from the prompt's state (or take the run's imported
+    responses) and score their rewards."""
+    ctx = held.policy(config, policy)
+    example = held.check_prompt(ctx, prompt)
+    state = held.prompt_state(ctx, example)
+    started = time.perf_counter()
+    imported = getattr(ctx.source, "imported", None)
+    weights = None
+    if imported is None:
+        generator = held.sampling_generator(config, policy.step, prompt.index)
+        responses = _sample(ctx, state, generator)
+    else:
+        responses = imported.group(example.prompt_id, policy.policy_version)
+        cfg = config.grpo
+        if cfg.vllm_importance_sampling_correction:
+            weights = imported_importance_weights(
+                ctx.model,
+                state,
+                responses,
+                temperature=cfg.temperature,
+                cap=cfg.vllm_importance_sampling_cap,
+                score=score_logprobs,
+            )
+    rollout_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    rewards = (
+        score_rewards(
+            example.rewards,
+            config.grpo.reward_weights,
+            example.text or "",
+            [r.text or "" for r in responses],
+            example.metadata,
+        )
+        if is_writer()
+        else []
+    )
+    if active_group() is not None:
+        # Rewards run once (on rank 0: a user's reward may be costly or call out); every rank
+        # needs them in its record.
+        shared = [rewards]
+        dist.broadcast_object_list(shared, src=0, group=active_group().control)
+        rewards = shared[0]
+    record = RolloutRecord(
+        prompt=prompt,
+        response_ids=[list(r.token_ids) for r in responses],
+        sampler_logprobs=[list(r.logprobs) for r in responses],
+        texts=[r.text or "" for r in responses],
+        truncated=[r.truncated for r in responses],
+        rewards=[float(x) for x in rewards],
+        importance_weights=None if weights is None else [w.tolist() for w in weights],
+    )
+    path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
+        f"rollout-g{prompt.index}.json"
+    )
+    uri, digest = artifacts.write_json(path, record, write=is_writer())
+    return RolloutRef(
+        uri=uri,
+        digest=digest,
+        prompt=prompt,
+        step=policy.step,
+        rewards=record.rewards,
+        seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+    )
+
+
+def rollout_record(rollout: RolloutRef) -> RolloutRecord:
+    return artifacts.read_json(rollout.uri, rollout.digest, RolloutRecord)
+
+
+@on_all_ranks
+def score_group(
+    config: RunConfig, policy: PolicyRef, rollout: RolloutRef, which: str
+) -> ScoresRef | None:
+    """No-grad log-probs of the group's responses: `which` is "reference" (the KL term, beta >
+    0; None without a reference model) or "old" (the rollout policy, num_iterations > 1)."""
+    if which not in ("reference", "old"):
+        raise ValueError(f"which must be 'reference' or 'old', got {which!r}")
+    started = time.perf_counter()
+    ctx = held.policy(config, policy)
+    example = held.check_prompt(ctx, rollout.prompt)
+    responses = rollout_record(rollout).response_ids
+    if which == "reference":
+        if ctx.reference_model is None:
+            return None
+        model, state = ctx.reference_model, held.reference_state(ctx, example)
+    else:
+        model, state = ctx.model, held.prompt_state(ctx, example)
+    scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
+    path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
+        f"scores-g{rollout.prompt.index}-{which}.json"
+    )
+    uri, digest = artifacts.write_json(path, [s.tolist() for s in scored], write=is_writer())
+    return ScoresRef(uri=uri, digest=digest, which=which, seconds=time.perf_counter() - started)
+
+
+def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> AdvantagePlan:
+    """Group-relative advantages (TRL's scale_rewards), loss masks and the step's normalisers,
+    fixed before any replay."""
+    rewards = torch.tensor([r.rewards for r in rollouts], dtype=torch.float64)
+    advantages = group_advantages(rewards, config.grpo.scale_rewards).to(torch.float32)
+    masks = []
+    for rollout in rollouts:
+        record = rollout_record(rollout)
+        masks.append(
+            [
+                loss_mask(torch.ones(len(ids)), truncated, config.grpo).tolist()
+                for ids, truncated in zip(record.response_ids, record.truncated, strict=True)
+            ]
+        )
+    return AdvantagePlan(
+        advantages=advantages.tolist(),
+        loss_masks=masks,
+        num_items_in_batch=float(sum(sum(m) for group in masks for m in group)),
+        num_sequences_in_batch=sum(len(group) for group in masks),
+    )
+
+
+def _scores(ref: ScoresRef | None) -> list[torch.Tensor] | None:
+    if ref is None:
+        return None
+    return [torch.tensor(s) for s in artifacts.read_json(ref.uri, ref.digest)]
+
+
+@on_all_ranks
+def backward_group(
+    config: RunConfig,
+    policy: PolicyRef,
+    rollout: RolloutRef,
+    plan: AdvantagePlan,
+    group: int,
+    ref_scores: ScoresRef | None = None,
+    old_scores: ScoresRef | None = None,
+    iteration: int = 0,
+) -> BackwardResult:
+    """Replay group `group`'s branches one at a time (and, in exact mode, sweep the prefill
+    shards in reverse) into zeroed fp32 buffers; its contribution, stored.
+
+    Replay and the reverse sweep are one stage, not two: the prompt cotangent dS lives only
+    between them, so one idempotent unit is what makes a retry safe (it cannot double-count).
+    """
+    ctx = held.policy(config, policy)
+    prompt = rollout.prompt.model_copy(
+        update={"policy_version": policy.policy_version, "weights_digest": policy.weights_digest}
+    )
+    example = held.check_prompt(ctx, prompt)
+    record = rollout_record(rollout)
+    started = time.perf_counter()
+    state = held.prompt_state(ctx, example)
+    prefill_seconds = time.perf_counter() - started
+    kwargs = dict(
+        old_logprobs=_scores(old_scores),
+        ref_logprobs=_scores(ref_scores),
+        loss_masks=[torch.tensor(m) for m in plan.loss_masks[group]],
+        num_items_in_batch=plan.num_items_in_batch,
+        num_sequences_in_batch=plan.num_sequences_in_batch,
+        importance_weights=None
+        if record.importance_weights is None
+        else [torch.tensor(w) for w in record.importance_weights],
+    )
+    advantages = torch.tensor(plan.advantages[group], dtype=torch.float32)
+    if active_group() is None:
+        grads = GradBuffer(ctx.model)
+        stats = accumulate_group_gradients(
+            ctx.model,
+            state,
+            record.response_ids,
+            advantages,
+            config.grpo,
+            shard_tokens=config.engine.shard_tokens,
+            prompt_grad=config.engine.prompt_grad,
+            grad_buffer=grads,
+            **kwargs,
+        )
+    else:
+        grads, stats = _sharded_backward(ctx, state, record, advantages, kwargs)
+    stats = stats.model_copy(
+        update={"seconds": stats.seconds.model_copy(update={"prefill": prefill_seconds})}
+    )
+    path = (
+        artifacts.step_dir(config.storage, config.run_id, policy.step)
+        / "grads"
+        / f"g{rollout.prompt.index}-i{iteration}.safetensors"
+    )
+    grad = artifacts.write_grads(
+        path,
+        grads.grads,
+        policy_version=policy.policy_version,
+        num_tokens=sum(stats.num_tokens),
+        write=is_writer(),
+    )
+    return BackwardResult(grad=grad, stats=stats)
+
+
+def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffer, GroupStats]:
+    """Every rank's share of the group's gradient, reduced (the same on every rank)."""
+    from longstraw.distributed.sharded_group import sharded_group_replay
+    from longstraw.engine.group import peak_rss_bytes
+
+    config = ctx.config
+    started = time.perf_counter()
+    grads, replay = sharded_group_replay(
+        ctx.model,
+        state,
+        [torch.tensor(r) for r in record.response_ids],
+        advantages,
+        config.grpo,
+        prompt_grad=config.engine.prompt_grad,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - started
+    summary = reduce_stats(replay.stats)
+    masks = kwargs["loss_masks"]
+    # Peak RSS of the busiest rank: the figure a per-node memory limit must cover.
+    peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    stats = GroupStats(
+        prompt_grad=config.engine.prompt_grad,
+        loss=sum(replay.losses),
+        branch_losses=replay.losses,
+        branch_logprobs=[lp.cpu().tolist() for lp in replay.logprobs],
+        num_tokens=[int(m.sum()) for m in masks],
+        prompt_tokens=state.prompt_len,
+        num_shards=state.num_shards,
+        kl=summary.kl,
+        clip_ratio_low=summary.clip_ratio_low,
+        clip_ratio_high=summary.clip_ratio_high,
+        clip_ratio_region=summary.clip_ratio_region,
+        # One stage: replay and sweep are not timed apart on the ranks.
+        seconds=StageSeconds(replay=seconds),
+        peak_rss_bytes=int(peak),
+        state_bytes=state.state_bytes(),
+        checkpoint_bytes=state.checkpoint_bytes(),
+    )
+    return grads, stats
+
+
+@on_all_ranks
+def reduce_gradients(
+    config: RunConfig, policy: PolicyRef, grads: list[GradRef], iteration: int = 0
+) -> GradRef:
+    """Sum the groups' contributions (the normaliser was applied once, before replay)."""
+    versions = {g.policy_version for g in grads}
+    if versions != {policy.policy_version}:
+        raise ValueError(
+            f"gradients of policy versions {sorted(versions)} cannot update version "
+            f"{policy.policy_version}: recompute the step's backward"
+        )
+    ctx = held.policy(config, policy)
+    device = ctx.model.device
+    total = GradBuffer.from_tensors(
+        {n: t.clone() for n, t in artifacts.read_grads(grads[0], device).items()}
+    )
+    for other in grads[1:]:
+        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device)))
+    for g in grads:
+        artifacts.forget(g.uri)
+    path = (
+        artifacts.step_dir(config.storage, config.run_id, policy.step)
+        / "grads"
+        / f"reduced-i{iteration}.safetensors"
+    )
+    return artifacts.write_grads(
+        path,
+        total.grads,
+        policy_version=policy.policy_version,
+        num_tokens=sum(g.num_tokens for g in grads),
+        write=is_writer(),
+    )
+
+
+@on_all_ranks
+def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> UpdateResult:
+    """One optimizer step: the policy's next version."""
+    if grads.policy_version != policy.policy_version:
+        raise ValueError(
+            f"gradient was taken at policy version {grads.policy_version}, the policy is at "
+            f"{policy.policy_version}: recompute the step's backward"
+        )
+    started = time.perf_counter()
+    ctx = held.policy(config, policy)
+    update = ctx.optimizer.apply(
+        GradBuffer.from_tensors(artifacts.read_grads(grads, ctx.model.device))
+    )
+    ctx.policy_version += 1
+    ctx.updates.append(grads)
+    held.drop_states_before(config.run_id, ctx.policy_version)
+    return UpdateResult(
+        policy=ctx.policy_ref(),
+        policy_version=ctx.policy_version,
+        grad_norm=update.grad_norm,
+        learning_rate=update.learning_rate,
+        clipped=update.clipped,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@on_all_ranks
+def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
+    """Commit a Hugging Face checkpoint of the policy with its optimizer state; the returned ref
+    starts from it (and the gradient files it covers are removed)."""
+    ctx = held.policy(config, policy)
+    if is_writer():
+        ref = save_training_checkpoint(
+            config.storage,
+            config.run_id,
+            policy_version=ctx.policy_version,
+            model=ctx.model,
+            tokenizer=ctx.tokenizer,
+            optimizer_tensors=ctx.optimizer.state_tensors(),
+            trainer_state={
+                "step": policy.step,
+                "policy_version": ctx.policy_version,
+                "run_id": config.run_id,
+                "config": config.model_dump(mode="json"),
+            },
+        )
+        artifacts.remove_step_gradients(config.storage, config.run_id, before_step=policy.step)
+    else:
+        ref = None
+    group = active_group()
+    if group is not None:
+        shared = [ref]
+        dist.broadcast_object_list(shared, src=0, group=group.control)
+        ref = shared[0]
+    ctx.checkpoint, ctx.checkpoint_is_run_start, ctx.updates = ref, False, []
+    return ctx.policy_ref()
+
+
+def is_checkpoint_step(config: RunConfig, steps_done: int) -> bool:
+    return steps_done % config.train.checkpoint_every == 0 or steps_done >= config.train.num_steps
+
+
+def record_step(config: RunConfig, metrics: StepMetrics) -> StepMetrics:
+    """Write the step's row of the run's metrics (keyed by step: a re-run step replaces its row)."""
+    write_step_metrics(config.storage, config.run_id, metrics)
+    return metrics
+
+
+def dump_result(value) -> str:
+    """JSON of a stage's result (what `python -m longstraw.training.run_stage` prints)."""
+    if isinstance(value, list):
+        return json.dumps([v.model_dump(mode="json") for v in value])
+    return "null" if value is None else value.model_dump_json()

@@ -1,0 +1,199 @@
+"""`parallel.world_size: 2` end to end: `longstraw train` on two CPU ranks (gloo) trains what one
+process trains, and a rank killed mid-step leaves a run that `--resume` finishes without
+recomputing committed prefill shards.
+
+Legend: the tiny qwen3_5 hybrid, a 64-token prompt (63 state tokens in 3 shards of 23), exact
+prompt gradient, G = 3, two groups per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from longstraw.storage.checkpoints import latest_checkpoint
+from longstraw.training.loop import train
+from longstraw.training.metrics import read_metrics
+from tests.training.helpers import run_config
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_STEPS = 3
+# Two ranks sum the same fp32 terms in another order (cross-rank log-sum-exp merges, an
+# all-reduce of the sweep's partial gradients): one group's gradients agree to ≤ 1.6e-5 relative
+# per tensor (the Gated DeltaNet decay parameters; ≤ 3e-6 for every other tensor).
+RELATIVE_TOLERANCE = 1e-5
+"""Per tensor, ‖w₂ − w₁‖ / ‖w₁‖ of the final weights."""
+UPDATE_TOLERANCE = 1e-4
+"""Per tensor, ‖Δw₂ − Δw₁‖ / ‖Δw₁‖ of what training moved (Δw = final − initial weights)."""
+ADAM_EPSILON = 1e-4
+"""At Adam's first steps an update is lr · g / (|g| + ε): with TRL's ε = 1e-8 every entry moves
+by ±lr whatever its size, so an entry whose gradient is ~1e-9 flips sign under any reordering
+and moves 2·lr the other way (measured: 5e-4 relative on `in_proj_a` after one step). With
+ε = 1e-4, entries below it move in proportion to their gradient: the comparison measures the
+gradients' agreement, not a sign coin."""
+
+
+def _config(root: Path, checkpoint: Path, run_id: str):
+    return run_config(
+        root,
+        checkpoint,
+        run_id=run_id,
+        num_steps=NUM_STEPS,
+        grpo={"num_generations": 3, "beta": 0.04, "adam_epsilon": ADAM_EPSILON},
+        data={"rewards": ["tests.training.helpers:checksum_reward"]},
+        persist_mode="synchronous",
+    )
+
+
+def _yaml(path: Path, config, world_size: int) -> Path:
+    raw = config.model_dump(mode="json")
+    raw["parallel"] = {"world_size": world_size, "backend": "gloo", "timeout_s": 120}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    home = tmp_path / "prefect"
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_LOCAL_STORAGE_PATH=str(home / "results"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        **extra,
+    )
+    return env
+
+
+def _train(config_path: Path, cwd: Path, env: dict, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path), *extra],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _assert_same_checkpoint(a: Path, b: Path, start: Path) -> None:
+    """`a` and `b` hold the same weights per tensor, and moved the same way from `start`."""
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    initial = load_file(str(start / "model.safetensors"))
+    assert left.keys() == right.keys()
+    moved = 0
+    for name, x in left.items():
+        y, x0 = right[name], initial[name]
+        relative = float((x - y).norm() / y.norm())
+        assert relative <= RELATIVE_TOLERANCE, f"{name}: weights differ by {relative:.3e}"
+        step = (y - x0).norm()
+        if step > 0:
+            moved += 1
+            relative = float(((x - x0) - (y - x0)).norm() / step)
+            assert relative <= UPDATE_TOLERANCE, f"{name}: updates differ by {relative:.3e}"
+    assert moved == len(left), "some tensor never moved: its comparison would be vacuous"
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory, checkpoint_dir):
+    """The reference: the same run in one process (world_size 1)."""
+    root = tmp_path_factory.mktemp("world1")
+    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    outcome = train(config)
+    assert any(m.grad_norm > 0 for m in outcome.history), "nothing trained: no signal to compare"
+    return config, latest_checkpoint(config.storage, config.run_id), outcome.history
+
+
+def _algorithm(m) -> dict:
+    return {
+        "step": m.step,
+        "policy_version": m.policy_version,
+        "reward_mean": m.reward_mean,
+        "completion_tokens": m.completion_tokens,
+        "num_groups": m.num_groups,
+    }
+
+
+def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
+    tmp_path, checkpoint_dir, single_process
+):
+    _, reference_checkpoint, reference_history = single_process
+    root = tmp_path / "root"
+    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    path = _yaml(tmp_path / "run.yaml", config, world_size=2)
+    # The Prefect flow (embedded API) with its stages on two ranks.
+    process = _train(path, tmp_path, _env(tmp_path))
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+
+    checkpoint = latest_checkpoint(config.storage, config.run_id)
+    assert checkpoint.name == reference_checkpoint.name == f"v{NUM_STEPS:06d}"
+    _assert_same_checkpoint(checkpoint, reference_checkpoint, checkpoint_dir("qwen3_5"))
+    history = read_metrics(root / "runs" / "ranks")
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
+    for two, one in zip(history, reference_history, strict=True):
+        assert two.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-7)
+        assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
+        assert two.kl == pytest.approx(one.kl, rel=1e-3, abs=1e-8)
+        assert two.shards_computed == one.shards_computed == 2 * 3
+
+
+def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed_shards(
+    tmp_path, checkpoint_dir, single_process
+):
+    _, reference_checkpoint, _ = single_process
+    root = tmp_path / "root"
+    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    path = _yaml(tmp_path / "run.yaml", config, world_size=2)
+    run_dir = root / "runs" / "ranks"
+    # Slow rewards hold step 1 open after its prompt states are committed (same values).
+    process = _train(
+        path, tmp_path, _env(tmp_path, LONGSTRAW_TEST_REWARD_DELAY_S="1.0"), "--no-prefect"
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while len(list(run_dir.glob("policy-v1/prompts/*/COMMITTED.json"))) < 2:
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "step 1's prompt states were never committed"
+            time.sleep(0.05)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        rank_1 = [p for p in ranks if "multiprocessing" in " ".join(p.cmdline())]
+        assert len(rank_1) >= 1, [p.cmdline() for p in ranks]
+        for p in rank_1:
+            p.send_signal(signal.SIGKILL)
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    text = out.decode()
+    assert process.returncode != 0, text[-3000:]
+    assert "rank 1" in text, text[-3000:]
+    assert not (run_dir / "checkpoints" / "v000002").exists()
+    # No rank outlives the failed run.
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    resumed = _train(path, tmp_path, _env(tmp_path), "--no-prefect", "--resume")
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out.decode()[-4000:]
+    history = read_metrics(run_dir)
+    assert [m.step for m in history] == [0, 1, 2]
+    # Step 1's states were committed before the kill: read back, not recomputed.
+    assert (history[1].shards_computed, history[1].shards_reused) == (0, 2 * 3)
+    _assert_same_checkpoint(
+        latest_checkpoint(config.storage, config.run_id),
+        reference_checkpoint,
+        checkpoint_dir("qwen3_5"),
+    )
