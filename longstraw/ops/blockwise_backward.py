@@ -17,6 +17,10 @@ it is built and freed one block of tokens at a time:
   entering state (a leaf), backpropagate its output cotangent and the cotangent of its end state,
   hand the entering state's cotangent to the previous block.
 
+The delta rule's wrapper is also what branch replay backpropagates through
+(`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel keeps the decay
+gradients (A_log, dt_bias) to fp32 accuracy, which autograd through transformers' kernel does not.
+
 Peak memory of the backward is one block's graph plus the saved inputs, whatever T is. The cost
 is one more forward of the function. The recomputation in backward may round differently from the
 forward (it runs on blocks, and the gated delta rule on LongStraw's chunked kernel); the
