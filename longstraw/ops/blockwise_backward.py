@@ -143,18 +143,18 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
                 use_qk_l2norm_in_kernel=ctx.use_l2norm,
             )
 
-        # The state entering each block, replayed without autograd.
-        entering = []
+        # The state entering each block, replayed without autograd (the last block's end state
+        # is not needed).
+        entering = [state_BHKV.float()]
         with torch.no_grad():
-            running = state_BHKV.float()
-            for start, end in blocks:
+            for start, end in blocks[:-1]:
+                _, running = run_block(entering[-1], *(x[:, start:end] for x in inputs))
                 entering.append(running)
-                _, running = run_block(running, *(x[:, start:end] for x in inputs))
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
         ]
-        cot_state = torch.zeros_like(running) if grad_final_BHKV is None else grad_final_BHKV
+        cot_state = torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV
         for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
             leaves = [
                 x[:, start:end].detach().requires_grad_(need)
