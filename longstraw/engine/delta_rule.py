@@ -5,7 +5,8 @@ transformers' Gated DeltaNet (qwen3_5, qwen3_next) calls the module-level
 is kept everywhere — prefill, replay and sweep then compute the same bits, which the sweep's
 bitwise state check relies on — but its backward is not used: autograd through transformers'
 pure-torch kernel forms the decay gradients (A_log, dt_bias) from differences of one cumsum of
-the log-decays and loses 2-4 digits on them (docs/engine.md, "Precision against float64").
+the log-decays and loses up to 4 digits on them against the fp32 recurrence (docs/engine.md,
+"Precision against float64").
 Inside `delta_rule_backward_recomputed`, the name is bound to
 `gated_delta_rule_recomputed_in_blocks`: the same forward under no_grad, and a backward that
 recomputes block by block on LongStraw's chunked kernel, whose decays are exp of within-chunk
