@@ -31,9 +31,11 @@ from longstraw.distributed.sharded_prefill import owner_cache, serve_shard
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
+from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent, token_logprobs
 from longstraw.engine.sweep import StateMismatchError
+from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
 def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
@@ -141,7 +143,11 @@ def sharded_branch_logprobs(
     position_ids = torch.arange(
         state.num_tokens, state.num_tokens + input_ids.shape[1], device=model.device
     ).unsqueeze(0)
-    with cross_rank_attention_enabled(model):
+    # The delta rule's backward on LongStraw's chunked kernel, as in single-process replay.
+    with (
+        cross_rank_attention_enabled(model),
+        delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
+    ):
         logits = model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -203,7 +209,11 @@ def _sweep_owned_shard(
 
         return record
 
-    with torch.enable_grad(), cross_rank_attention_enabled(model):
+    with (
+        torch.enable_grad(),
+        cross_rank_attention_enabled(model),
+        delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
+    ):
         cache = owner_cache(
             state,
             shard,

@@ -25,8 +25,10 @@ from longstraw.engine.cache import (
     PrefixMlaLayer,
     StateCache,
 )
+from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
+from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
 @dataclass
@@ -151,11 +153,19 @@ def branch_input_ids(state: PrefixState, response_ids: torch.Tensor) -> torch.Te
 def replay_logits(
     model: PreTrainedModel, state: PrefixState, input_ids_BR: torch.Tensor, cache: StateCache
 ) -> torch.Tensor:
-    """[B, R, V] logits of a branch forward at positions T .. T+R-1 on `cache`."""
+    """[B, R, V] logits of a branch forward at positions T .. T+R-1 on `cache`.
+
+    With autograd, the Gated DeltaNet layers backpropagate through LongStraw's chunked delta
+    rule (`longstraw.engine.delta_rule`; the forward stays transformers'), whose decay
+    gradients keep fp32 accuracy.
+    """
     batch, length = input_ids_BR.shape
     offset = cache.position_offset
     position_ids = torch.arange(offset, offset + length, device=model.device).expand(batch, -1)
-    with prefix_attention_enabled(model):
+    with (
+        prefix_attention_enabled(model),
+        delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
+    ):
         output = model(
             input_ids=input_ids_BR.to(model.device),
             position_ids=position_ids,

@@ -17,7 +17,6 @@ graph.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -31,21 +30,16 @@ from longstraw.engine.cache import (
     ShardStartLinearAttentionLayer,
     StateCache,
 )
+from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
-from longstraw.ops.blockwise_backward import (
-    BLOCK_TOKENS,
-    gated_delta_rule_recomputed_in_blocks,
-    rows_recomputed_in_blocks,
-)
+from longstraw.ops.blockwise_backward import BLOCK_TOKENS, rows_recomputed_in_blocks
 
-# transformers' Gated DeltaNet (qwen3_5, qwen3_next) calls this module-level function.
-_GDN_FUNCTION = "torch_chunk_gated_delta_rule"
 # Tokens per block of the MLPs' and delta rule's backward in the sweep (read at each call).
 SWEEP_BLOCK_TOKENS = BLOCK_TOKENS
-# Set on the functions the sweep installs, so a nested `sweep_forward` does not wrap them twice.
+# Set on the MLP forwards the sweep installs, so a nested `sweep_forward` does not wrap them twice.
 _MARK = "longstraw_blockwise"
 
 
@@ -61,36 +55,6 @@ def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, sh
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
             "computed with other weights, dtype or kernels: recompute the prefill"
         )
-
-
-def _patch_gated_delta_rule(model: PreTrainedModel) -> list[Callable[[], None]]:
-    """Route `model`'s chunked delta rule through `gated_delta_rule_recomputed_in_blocks`.
-
-    transformers' Gated DeltaNet calls the module-level `torch_chunk_gated_delta_rule` of its
-    modeling module, so that name is rebound. Returns the undo actions.
-    """
-    modules = {
-        sys.modules[type(layer.linear_attn).__module__]
-        for layer in decoder_of(model).layers
-        if hasattr(layer, "linear_attn")
-    }
-    undo = []
-    for module in modules:
-        original = getattr(module, _GDN_FUNCTION, None)
-        if original is None or getattr(original, _MARK, False):
-            continue
-
-        def blockwise(*args, _original=original, **kwargs):
-            return gated_delta_rule_recomputed_in_blocks(
-                _original, *args, block_tokens=SWEEP_BLOCK_TOKENS, **kwargs
-            )
-
-        setattr(blockwise, _MARK, True)
-        setattr(module, _GDN_FUNCTION, blockwise)
-        undo.append(
-            lambda module=module, original=original: setattr(module, _GDN_FUNCTION, original)
-        )
-    return undo
 
 
 # True while a shard's backward runs: layer checkpoints then recompute only to restore saved
@@ -153,8 +117,11 @@ def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
     Re-entrant: the recomputations of activation checkpointing and of the blockwise backward
     run during backward, outside the caller's blocks, and enter this again.
     """
-    with prefix_attention_enabled(model):
-        undo = _patch_gated_delta_rule(model) + _patch_mlps(model)
+    with (
+        prefix_attention_enabled(model),
+        delta_rule_backward_recomputed(model, lambda: SWEEP_BLOCK_TOKENS),
+    ):
+        undo = _patch_mlps(model)
         try:
             yield
         finally:

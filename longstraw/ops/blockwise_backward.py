@@ -17,6 +17,10 @@ it is built and freed one block of tokens at a time:
   entering state (a leaf), backpropagate its output cotangent and the cotangent of its end state,
   hand the entering state's cotangent to the previous block.
 
+The delta rule's wrapper is also what branch replay backpropagates through
+(`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel keeps the decay
+gradients (A_log, dt_bias) to fp32 accuracy, which autograd through transformers' kernel does not.
+
 Peak memory of the backward is one block's graph plus the saved inputs, whatever T is. The cost
 is one more forward of the function. The recomputation in backward may round differently from the
 forward (it runs on blocks, and the gated delta rule on LongStraw's chunked kernel); the
@@ -139,18 +143,18 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
                 use_qk_l2norm_in_kernel=ctx.use_l2norm,
             )
 
-        # The state entering each block, replayed without autograd.
-        entering = []
+        # The state entering each block, replayed without autograd (the last block's end state
+        # is not needed).
+        entering = [state_BHKV.float()]
         with torch.no_grad():
-            running = state_BHKV.float()
-            for start, end in blocks:
+            for start, end in blocks[:-1]:
+                _, running = run_block(entering[-1], *(x[:, start:end] for x in inputs))
                 entering.append(running)
-                _, running = run_block(running, *(x[:, start:end] for x in inputs))
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
         ]
-        cot_state = torch.zeros_like(running) if grad_final_BHKV is None else grad_final_BHKV
+        cot_state = torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV
         for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
             leaves = [
                 x[:, start:end].detach().requires_grad_(need)
