@@ -20,6 +20,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from longstraw.distributed.launch import free_port
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
@@ -196,4 +197,59 @@ def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed
         latest_checkpoint(config.storage, config.run_id),
         reference_checkpoint,
         checkpoint_dir("qwen3_5"),
+    )
+
+
+def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
+    tmp_path, checkpoint_dir, single_process
+):
+    """Ranks from torchrun's c10d rendezvous (two "nodes" of one process each, on this machine)
+    run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's."""
+    _, reference_checkpoint, reference_history = single_process
+    root = tmp_path / "root"
+    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    path = _yaml(tmp_path / "run.yaml", config, world_size=2)
+    port = free_port()
+    env = _env(tmp_path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    nodes = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("torchrun")),
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=longstraw-test",
+                "--max-restarts=0",
+                "-m",
+                "longstraw.cli",
+                "train",
+                "--config",
+                str(path),
+                "--steps",
+                "1",
+                "--no-prefect",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=600)[0].decode() for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for node, out in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, out[-4000:]
+    (metrics,) = read_metrics(root / "runs" / "ranks")
+    assert _algorithm(metrics) == _algorithm(reference_history[0])
+    checkpoint = latest_checkpoint(config.storage, config.run_id)
+    assert checkpoint.name == "v000001"
+    _assert_same_checkpoint(
+        checkpoint, reference_checkpoint.with_name("v000001"), checkpoint_dir("qwen3_5")
     )
