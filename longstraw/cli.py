@@ -67,6 +67,10 @@ def train_command(
     root: Annotated[
         str | None, typer.Option(help="Override storage.root_uri (local path or s3://).")
     ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(help="Override parallel.world_size (ranks sharing each prompt's state)."),
+    ] = None,
     no_prefect: Annotated[
         bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
     ] = False,
@@ -81,6 +85,7 @@ def train_command(
         steps=steps,
         run_id=run_id,
         root=root,
+        world_size=world_size,
         use_prefect=not no_prefect,
     )
 

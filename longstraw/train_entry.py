@@ -44,6 +44,7 @@ def resolve_config(
     run_id: str | None,
     root: str | None,
     resume: bool,
+    world_size: int | None = None,
 ) -> RunConfig:
     overrides: dict = {}
     if run_id is not None:
@@ -54,6 +55,8 @@ def resolve_config(
         updates["train"] = config.train.model_copy(update={"num_steps": steps})
     if root is not None:
         updates["storage"] = config.storage.model_copy(update={"root_uri": root})
+    if world_size is not None:
+        updates["parallel"] = config.parallel.model_copy(update={"world_size": world_size})
     if updates:
         config = RunConfig.model_validate(
             config.model_dump() | {k: v.model_dump() for k, v in updates.items()}
@@ -111,13 +114,16 @@ def run_training(
     steps: int | None,
     run_id: str | None,
     root: str | None,
+    world_size: int | None = None,
     use_prefect: bool = True,
 ) -> list:
     configure_prefect_environment(Path.cwd() / ".longstraw")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    config = resolve_config(config_path, steps=steps, run_id=run_id, root=root, resume=resume)
+    config = resolve_config(
+        config_path, steps=steps, run_id=run_id, root=root, resume=resume, world_size=world_size
+    )
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="

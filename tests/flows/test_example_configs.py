@@ -1,0 +1,108 @@
+"""The shipped run configs: what the GPU deployment runs validates, overrides change only what
+they name, and the Qwen3.5-27B example's model and per-rank state match the memory projection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from longstraw.flows.train import run_config
+from longstraw.models.adapters import state_spec
+from longstraw.storage.config_files import read_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "qwen35-27b-1m-8gpu.yaml"
+GIB = 2**30
+# Qwen3.5-27B's text model as docs/design.md describes it: 64 layers of hidden 5120, every
+# fourth one full attention (24 query / 4 kv heads × 256), 48 Gated DeltaNet layers.
+QWEN35_27B = dict(
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    vocab_size=248320,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    tie_word_embeddings=False,
+)
+
+
+def _gpu_parameters() -> dict:
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    (gpu,) = [d for d in spec["deployments"] if d["name"] == "gpu"]
+    return gpu["parameters"]
+
+
+def test_gpu_deployment_runs_the_example_config_and_overrides_change_only_what_they_name():
+    params = _gpu_parameters()
+    # The image ships the repository at /opt/longstraw.
+    local = params["config_file"].replace("/opt/longstraw", str(ROOT))
+    base = run_config(params["config"], local)
+    assert base == read_run_config(str(EXAMPLE))
+    renamed = run_config({"run_id": "x"}, local)
+    assert renamed.run_id == "x"
+    assert renamed.model_copy(update={"run_id": base.run_id}) == base
+    deeper = run_config({"engine": {"prompt_grad": "detached"}}, local)
+    assert deeper.engine.prompt_grad == "detached"
+    assert deeper.engine.shard_tokens == base.engine.shard_tokens == 8192
+
+
+def test_qwen35_27b_example_instantiates_on_meta_and_its_state_fits_the_projection():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = read_run_config(str(EXAMPLE))
+    assert (config.model.dtype, config.engine.prompt_grad) == ("bfloat16", "exact")
+    assert (config.parallel.world_size, config.parallel.backend) == (8, "nccl")
+    model_config = AutoConfig.for_model("qwen3_5_text", **QWEN35_27B)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert 26e9 < params < 28e9, params
+    spec = state_spec(model)
+    kv = spec.full_attention
+    # K and V of every full-attention layer, bf16.
+    per_token = len(kv.layer_indices) * kv.num_kv_heads * (kv.head_dim + kv.value_head_dim) * 2
+    assert per_token == 64 * 1024
+    tokens = 2**20
+    ranks = config.parallel.world_size
+    kv_rank = tokens * per_token / ranks
+    dS_rank = 2 * kv_rank  # fp32 cotangent in exact mode
+    weights_rank = params * 2 / ranks  # bf16, sharded at rest
+    optimizer_rank = params * 16 / ranks  # fp32 gradient + master + Adam moments
+    total = (kv_rank + dS_rank + weights_rank + optimizer_rank) / GIB
+    assert kv_rank / GIB == pytest.approx(8.0)
+    assert total < 131, f"{total:.1f} GiB per rank does not fit a 141 GB H200"
+    num_shards = -(-(tokens - 1) // config.engine.shard_tokens)
+    assert num_shards % ranks == 0  # every rank owns the same number of shards
+
+
+def test_torchrun_manifest_forms_the_world_its_command_names():
+    service, job = yaml.safe_load_all((ROOT / "infra" / "k8s-torchrun-job.yaml").read_text())
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    command = container["args"][0].split()
+    flags = dict(arg.split("=", 1) for arg in command if arg.startswith("--") and "=" in arg)
+    nodes, per_node = int(env["NODES"]), int(env["GPUS_PER_NODE"])
+    assert nodes == spec["completions"]
+    assert flags["--nnodes"] == "$(NODES)" and flags["--nproc-per-node"] == "$(GPUS_PER_NODE)"
+    assert flags["--node-rank"] == "$(JOB_COMPLETION_INDEX)"
+    host = flags["--rdzv-endpoint"].split(":")[0]
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert int(command[command.index("--world-size") + 1]) == nodes * per_node
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == per_node
+    config_file = command[command.index("--config") + 1].replace("/opt/longstraw", str(ROOT))
+    assert read_run_config(config_file).model.checkpoint.startswith("/models/")
