@@ -32,11 +32,8 @@ class TensorSpec(_Ref):
 
 
 class GradRef(_Ref):
-    """One task's gradient contribution: fp32 tensors by parameter name, held in-process or stored.
-
-    `uri` is `memory://grads/<id>` for a contribution kept in the process-local registry (the
-    single-machine path pays no I/O) or a file:// / s3:// safetensors file.
-    """
+    """A gradient contribution: fp32 tensors by parameter name in a safetensors file (`uri`,
+    file://); the process that wrote it also holds the tensors, so it reads nothing back."""
 
     uri: str
     digest: str
