@@ -378,14 +378,42 @@ def accumulate_group_gradients(
     else:
         grad_buffer.add_(contribution)
 
+    return group_stats(
+        prompt_grad,
+        state,
+        branch_losses,
+        branch_logps,
+        inputs.lengths,
+        branch_stats,
+        seconds,
+        cotangent_bytes=0 if cotangent is None else cotangent.nbytes(),
+        device=model.device,
+    )
+
+
+def group_stats(
+    prompt_grad: str,
+    state,
+    branch_losses: list[float],
+    branch_logprobs: list[list[float]],
+    num_tokens: list[int],
+    branch_stats: list,
+    seconds: dict[str, float],
+    *,
+    cotangent_bytes: int,
+    device: torch.device,
+    peak_rss: int | None = None,
+) -> GroupStats:
+    """The statistics of one group's replay (`state` a whole state or a rank's slice; the peak
+    RSS this process's unless given)."""
     summary = reduce_stats(branch_stats)
-    peak_device = torch.cuda.max_memory_allocated() if model.device.type == "cuda" else None
+    peak_device = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return GroupStats(
         prompt_grad=prompt_grad,
         loss=sum(branch_losses),
         branch_losses=branch_losses,
-        branch_logprobs=branch_logps,
-        num_tokens=inputs.lengths,
+        branch_logprobs=branch_logprobs,
+        num_tokens=num_tokens,
         prompt_tokens=state.prompt_len,
         num_shards=state.num_shards,
         kl=summary.kl,
@@ -393,9 +421,9 @@ def accumulate_group_gradients(
         clip_ratio_high=summary.clip_ratio_high,
         clip_ratio_region=summary.clip_ratio_region,
         seconds=StageSeconds(**seconds),
-        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_bytes=peak_rss_bytes() if peak_rss is None else peak_rss,
         peak_device_bytes=peak_device,
         state_bytes=state.state_bytes(),
         checkpoint_bytes=state.checkpoint_bytes(),
-        cotangent_bytes=0 if cotangent is None else cotangent.nbytes(),
+        cotangent_bytes=cotangent_bytes,
     )

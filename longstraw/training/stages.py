@@ -28,7 +28,7 @@ from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
 from longstraw.engine.state import shard_bounds
 from longstraw.grpo.advantages import group_advantages
-from longstraw.grpo.losses import loss_mask, reduce_stats
+from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
 from longstraw.schemas.refs import (
     BackwardResult,
@@ -42,7 +42,7 @@ from longstraw.schemas.refs import (
     ShardRef,
     UpdateResult,
 )
-from longstraw.schemas.results import AdvantagePlan, GroupStats, StageSeconds, StepMetrics
+from longstraw.schemas.results import AdvantagePlan, GroupStats, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage import artifacts
 from longstraw.storage.checkpoints import save_training_checkpoint
@@ -368,7 +368,7 @@ def backward_group(
 def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffer, GroupStats]:
     """Every rank's share of the group's gradient, reduced (the same on every rank)."""
     from longstraw.distributed.sharded_group import sharded_group_replay
-    from longstraw.engine.group import peak_rss_bytes
+    from longstraw.engine.group import group_stats, peak_rss_bytes
 
     config = ctx.config
     started = time.perf_counter()
@@ -382,28 +382,23 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         **kwargs,
     )
     seconds = time.perf_counter() - started
-    summary = reduce_stats(replay.stats)
     masks = kwargs["loss_masks"]
     # Peak RSS of the busiest rank: the figure a per-node memory limit must cover.
     peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    stats = GroupStats(
-        prompt_grad=config.engine.prompt_grad,
-        loss=sum(replay.losses),
-        branch_losses=replay.losses,
-        branch_logprobs=[lp.cpu().tolist() for lp in replay.logprobs],
-        num_tokens=[int(m.sum()) for m in masks],
-        prompt_tokens=state.prompt_len,
-        num_shards=state.num_shards,
-        kl=summary.kl,
-        clip_ratio_low=summary.clip_ratio_low,
-        clip_ratio_high=summary.clip_ratio_high,
-        clip_ratio_region=summary.clip_ratio_region,
-        # One stage: replay and sweep are not timed apart on the ranks.
-        seconds=StageSeconds(replay=seconds),
-        peak_rss_bytes=int(peak),
-        state_bytes=state.state_bytes(),
-        checkpoint_bytes=state.checkpoint_bytes(),
+    stats = group_stats(
+        config.engine.prompt_grad,
+        state,
+        replay.losses,
+        [lp.cpu().tolist() for lp in replay.logprobs],
+        [int(m.sum()) for m in masks],
+        replay.stats,
+        # One stage on the ranks: replay and sweep are not timed apart.
+        {"replay": seconds},
+        # This rank's slice of dS (the sharded replay allocates and frees it).
+        cotangent_bytes=0,
+        device=ctx.model.device,
+        peak_rss=int(peak),
     )
     return grads, stats
 
