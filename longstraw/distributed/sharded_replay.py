@@ -34,7 +34,7 @@ from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent, token_logprobs
-from longstraw.engine.sweep import StateMismatchError
+from longstraw.engine.sweep import StateMismatchError, mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
@@ -209,10 +209,13 @@ def _sweep_owned_shard(
 
         return record
 
+    # As the single-process sweep: the MLPs and the delta rule keep only their inputs and
+    # recompute block by block in backward, so the shard's graph holds no MLP activations.
     with (
         torch.enable_grad(),
         cross_rank_attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
+        mlps_recomputed_in_blocks(model),
     ):
         cache = owner_cache(
             state,

@@ -120,13 +120,22 @@ def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
     with (
         prefix_attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: SWEEP_BLOCK_TOKENS),
+        mlps_recomputed_in_blocks(model),
     ):
-        undo = _patch_mlps(model)
-        try:
-            yield
-        finally:
-            for action in reversed(undo):
-                action()
+        yield
+
+
+@contextlib.contextmanager
+def mlps_recomputed_in_blocks(model: PreTrainedModel) -> Iterator[None]:
+    """Inside the block every decoder layer's MLP keeps only its input and recomputes
+    `SWEEP_BLOCK_TOKENS` rows at a time in backward (no communication: the sharded sweep uses it
+    beside its cross-rank attention)."""
+    undo = _patch_mlps(model)
+    try:
+        yield
+    finally:
+        for action in reversed(undo):
+            action()
 
 
 @contextlib.contextmanager
