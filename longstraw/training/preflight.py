@@ -89,7 +89,8 @@ def check_rewards(config: RunConfig) -> None:
         try:
             fn = get_reward(spec)
         except ValueError as err:
-            raise UserError(f"data.rewards: {err}") from err
+            what, _, fix = str(err).rpartition("; ")  # get_reward's messages end in "; <fix>"
+            raise UserError(f"data.rewards: {what} — {fix}" if what else f"{err}") from err
         try:
             signature = inspect.signature(fn)
         except (TypeError, ValueError):
