@@ -7,6 +7,7 @@ a 2-core machine and analytics off. These variables must be set before Prefect i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -201,6 +202,10 @@ def run_training(
     use_prefect: bool = True,
 ) -> list:
     configure_prefect_environment(Path.cwd() / ".longstraw")
+    interrupted = _Signals()
+    # Registered before Prefect is imported, so it runs after Prefect's own exit hooks (LIFO):
+    # Prefect flushes its logs to its server, then whatever is left (that server, ranks) goes.
+    atexit.register(lambda: interrupted.received is not None and kill_children())
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -212,7 +217,7 @@ def run_training(
 
     preflight(config, resume)
     with contextlib.ExitStack() as stack:
-        signals = stack.enter_context(_Signals())
+        signals = stack.enter_context(interrupted)
         # Under torchrun only rank 0 writes the run (the other ranks serve its stages).
         if int(os.environ.get("RANK", "0")) == 0:
             stack.enter_context(run_lease(config))
@@ -220,7 +225,6 @@ def run_training(
             return _run(config, resume=resume, use_prefect=use_prefect)
         except KeyboardInterrupt:
             signum = signals.received or signal.SIGINT
-            kill_children()
             raise Interrupted(
                 f"interrupted by {signal.Signals(signum).name}: run {config.run_id!r} stopped; its "
                 f"latest committed checkpoint is {latest_checkpoint(config.storage, config.run_id)} "
