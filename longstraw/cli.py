@@ -74,20 +74,42 @@ def train_command(
     no_prefect: Annotated[
         bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
     ] = False,
+    debug: Annotated[
+        bool, typer.Option(help="Show the traceback of a configuration or input error.")
+    ] = False,
 ) -> None:
     """Run GRPO training. With no arguments: the embedded default (no server, local storage,
     a tiny checkpoint it builds itself, the synthetic long-context task)."""
-    from longstraw.train_entry import run_training
+    from longstraw.errors import UserError
+    from longstraw.schemas.run import ConfigError
+    from longstraw.train_entry import Interrupted, run_training
 
-    run_training(
-        config_path=config,
-        resume=resume,
-        steps=steps,
-        run_id=run_id,
-        root=root,
-        world_size=world_size,
-        use_prefect=not no_prefect,
-    )
+    try:
+        run_training(
+            config_path=config,
+            resume=resume,
+            steps=steps,
+            run_id=run_id,
+            root=root,
+            world_size=world_size,
+            use_prefect=not no_prefect,
+        )
+    except Interrupted as stop:
+        _error_line(str(stop), prefix="")
+        raise typer.Exit(stop.exit_code) from None
+    except (UserError, ConfigError) as error:
+        if debug:
+            raise
+        _error_line(str(error))
+        raise typer.Exit(2) from None
+
+
+def _error_line(message: str, prefix: str = "error: ") -> None:
+    """One line on stderr, never wrapped or marked up by rich."""
+    import sys
+
+    sys.stderr.write(prefix + "; ".join(part.strip() for part in message.splitlines()) + "\n")
+    sys.stderr.flush()
 
 
 def _mount_optional_apps() -> None:

@@ -7,7 +7,12 @@ a 2-core machine and analytics off. These variables must be set before Prefect i
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +21,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig, load_run_config
+from longstraw.storage.checkpoints import latest_checkpoint
 
 console = Console()
 
@@ -61,16 +68,17 @@ def resolve_config(
         config = RunConfig.model_validate(
             config.model_dump() | {k: v.model_dump() for k, v in updates.items()}
         )
-    from longstraw.storage.checkpoints import latest_checkpoint
-
     exists = latest_checkpoint(config.storage, config.run_id) is not None
     if exists and not resume:
         if config_path is None and run_id is None:
             # The embedded demo never collides with an earlier demo run: give it a fresh id.
             stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
             return config.model_copy(update={"run_id": f"{config.run_id}-{stamp}"})
-        raise ValueError(
-            f"run {config.run_id!r} already has checkpoints under {config.storage.root_uri}: pass "
+        from longstraw.training.run_lease import check_run_lease
+
+        check_run_lease(config)  # a live writer is the clearer reason to refuse
+        raise UserError(
+            f"run {config.run_id!r} already has checkpoints under {config.storage.root_uri} — pass "
             "--resume to continue it, or choose another --run-id"
         )
     return config
@@ -107,6 +115,82 @@ def summary_table(history) -> Table:
     return table
 
 
+class Interrupted(Exception):
+    """SIGINT / SIGTERM stopped the run; the message says how to resume it."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# After a signal, cleanup (Prefect marking the run, the ranks stopping) gets this long before the
+# process kills what it started and exits anyway.
+FORCE_EXIT_AFTER_S = 10.0
+
+
+def kill_children(timeout_s: float = 3.0) -> None:
+    """Terminate, then kill, every process this one started (ranks, Prefect's server)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+
+
+class _Signals:
+    """SIGINT / SIGTERM raise KeyboardInterrupt in the main thread (so `finally` blocks run) and
+    arm a watchdog that ends the process if cleanup hangs."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        first = self.received is None
+        self.received = signum
+        if first:
+            timer = threading.Timer(FORCE_EXIT_AFTER_S, self._force_exit)
+            timer.daemon = True
+            timer.start()
+        raise KeyboardInterrupt
+
+    def _force_exit(self) -> None:
+        kill_children(timeout_s=1.0)
+        sys.stderr.write("error: cleanup after the interrupt took too long; exited anyway\n")
+        sys.stderr.flush()
+        os._exit(128 + (self.received or signal.SIGTERM))
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def resume_command(
+    config: RunConfig, config_path: Path | None, run_id: str | None, root: str | None
+) -> str:
+    parts = ["longstraw train"]
+    if config_path is not None:
+        parts.append(f"--config {config_path}")
+    if run_id is not None or config_path is None:
+        parts.append(f"--run-id {config.run_id}")
+    if root is not None:
+        parts.append(f"--root {root}")
+    parts.append("--resume")
+    return " ".join(parts)
+
+
 def run_training(
     *,
     config_path: Path | None,
@@ -118,12 +202,38 @@ def run_training(
     use_prefect: bool = True,
 ) -> list:
     configure_prefect_environment(Path.cwd() / ".longstraw")
+    interrupted = _Signals()
+    # Registered before Prefect is imported, so it runs after Prefect's own exit hooks (LIFO):
+    # Prefect flushes its logs to its server, then whatever is left (that server, ranks) goes.
+    atexit.register(lambda: interrupted.received is not None and kill_children())
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     config = resolve_config(
         config_path, steps=steps, run_id=run_id, root=root, resume=resume, world_size=world_size
     )
+    from longstraw.training.preflight import preflight
+    from longstraw.training.run_lease import run_lease
+
+    preflight(config, resume)
+    with contextlib.ExitStack() as stack:
+        signals = stack.enter_context(interrupted)
+        # Under torchrun only rank 0 writes the run (the other ranks serve its stages).
+        if int(os.environ.get("RANK", "0")) == 0:
+            stack.enter_context(run_lease(config))
+        try:
+            return _run(config, resume=resume, use_prefect=use_prefect)
+        except KeyboardInterrupt:
+            signum = signals.received or signal.SIGINT
+            raise Interrupted(
+                f"interrupted by {signal.Signals(signum).name}: run {config.run_id!r} stopped; its "
+                f"latest committed checkpoint is {latest_checkpoint(config.storage, config.run_id)} "
+                f"— continue it with: {resume_command(config, config_path, run_id, root)}",
+                128 + signum,
+            ) from None
+
+
+def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
@@ -171,8 +281,6 @@ def run_training(
             stop_stage_group()
         progress.update(steps_bar, completed=config.train.num_steps)
     console.print(summary_table(history))
-    from longstraw.storage.checkpoints import latest_checkpoint
-
     console.print(
         f"finished in {time.perf_counter() - started:.0f} s; latest checkpoint: "
         f"{latest_checkpoint(config.storage, config.run_id)}"

@@ -8,13 +8,17 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from longstraw.distributed.stage_group import start_stage_group
+from longstraw.errors import UserError
 from longstraw.flows.grpo_step import artifact_key, grpo_step
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, validated_run_config
+from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
 from longstraw.tasks.stages import open_run
 from longstraw.training.loop import after_step
 from longstraw.training.metrics import truncate_metrics
+from longstraw.training.preflight import preflight
+from longstraw.training.run_lease import run_lease
 
 
 def reward_curve_markdown(history: list[StepMetrics]) -> str:
@@ -47,6 +51,15 @@ def run_config(config: dict[str, Any] | None, config_file: str | None) -> RunCon
     return validated_run_config(config or {}, "flow parameter `config`")
 
 
+def refuse_restart(config: RunConfig, resume: bool) -> None:
+    """A run that has a committed checkpoint is continued (`resume`), never restarted over."""
+    if not resume and (found := latest_checkpoint(config.storage, config.run_id)) is not None:
+        raise UserError(
+            f"run {config.run_id!r} already has a committed checkpoint ({found}) — run it with "
+            "resume=true to continue it, or choose another run_id"
+        )
+
+
 @flow(name="longstraw-train")
 def train(
     config: dict[str, Any] | None = None, resume: bool = False, config_file: str | None = None
@@ -59,21 +72,24 @@ def train(
     """
     logger = get_run_logger()
     config = run_config(config, config_file)
-    start_stage_group(config.parallel)
-    policy = open_run(config, resume)
-    truncate_metrics(config.storage, config.run_id, policy.step)
-    if policy.step:
-        logger.info(
-            "resuming run %s at step %d (policy version %d)",
-            config.run_id,
-            policy.step,
-            policy.policy_version,
-        )
-    history = []
-    while policy.step < config.train.num_steps:
-        policy, metrics = grpo_step(config, policy)
-        history.append(metrics)
-        after_step(config, metrics)
+    preflight(config, resume)
+    with run_lease(config):
+        refuse_restart(config, resume)
+        start_stage_group(config.parallel)
+        policy = open_run(config, resume)
+        truncate_metrics(config.storage, config.run_id, policy.step)
+        if policy.step:
+            logger.info(
+                "resuming run %s at step %d (policy version %d)",
+                config.run_id,
+                policy.step,
+                policy.policy_version,
+            )
+        history = []
+        while policy.step < config.train.num_steps:
+            policy, metrics = grpo_step(config, policy)
+            history.append(metrics)
+            after_step(config, metrics)
     if history:
         key = artifact_key(config.run_id)
         create_table_artifact(

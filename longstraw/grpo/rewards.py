@@ -13,6 +13,8 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from longstraw.errors import UserError
+
 RewardFn = Callable[[str, str, dict], float]
 
 REWARDS: dict[str, RewardFn] = {}
@@ -110,6 +112,21 @@ def _as_reward_value(value: Any, sample: int, name: str) -> float:
     return result
 
 
+class RewardError(UserError):
+    """A user's reward function raised: names the function and the sample."""
+
+
+def _call_reward(fn: RewardFn, name: str, sample: int, prompt: str, response: str, meta: dict):
+    try:
+        return fn(prompt, response, dict(meta))
+    except Exception as err:
+        raise RewardError(
+            f"reward function {name!r} raised {type(err).__name__}: {err} on sample {sample} "
+            f"(response {response[:60]!r}) — fix the reward function; it must return a number "
+            "for every (prompt, response, metadata)"
+        ) from err
+
+
 def score_group_per_func(
     reward_specs: Sequence[str | RewardFn],
     prompt: str,
@@ -127,7 +144,7 @@ def score_group_per_func(
         # Each call gets its own shallow copy: a function that mutates metadata cannot leak into
         # the next sample's score.
         row = [
-            _as_reward_value(fn(prompt, response, dict(meta)), i, n)
+            _as_reward_value(_call_reward(fn, n, i, prompt, response, meta), i, n)
             for fn, n in zip(fns, names, strict=True)
         ]
         table.append(row)

@@ -13,6 +13,7 @@ from longstraw.storage.checkpoints import run_dir
 from longstraw.training import held
 from longstraw.training.context import RunContext
 from longstraw.training.metrics import plot_rewards, read_metrics, truncate_metrics
+from longstraw.training.run_lease import run_lease
 
 __all__ = ["TrainOutcome", "after_step", "read_metrics", "train"]
 from longstraw.training.stages import is_checkpoint_step, open_run
@@ -62,14 +63,16 @@ def train(
     on_step: Callable[[StepMetrics], None] | None = None,
     stages: Stages = IN_PROCESS,
 ) -> TrainOutcome:
-    """Run (or resume) training to `config.train.num_steps` steps in this process."""
-    outcome = TrainOutcome(config, open_run(config, resume))
-    # Rows of steps after the starting checkpoint belong to an abandoned attempt.
-    truncate_metrics(config.storage, config.run_id, outcome.policy.step)
-    while outcome.policy.step < config.train.num_steps:
-        outcome.policy, metrics = run_step(config, outcome.policy, stages)
-        outcome.history.append(metrics)
-        after_step(config, metrics)
-        if on_step is not None:
-            on_step(metrics)
+    """Run (or resume) training to `config.train.num_steps` steps in this process, holding the
+    run's lease (one writer per run: `training.run_lease`)."""
+    with run_lease(config):
+        outcome = TrainOutcome(config, open_run(config, resume))
+        # Rows of steps after the starting checkpoint belong to an abandoned attempt.
+        truncate_metrics(config.storage, config.run_id, outcome.policy.step)
+        while outcome.policy.step < config.train.num_steps:
+            outcome.policy, metrics = run_step(config, outcome.policy, stages)
+            outcome.history.append(metrics)
+            after_step(config, metrics)
+            if on_step is not None:
+                on_step(metrics)
     return outcome

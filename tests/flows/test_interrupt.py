@@ -1,0 +1,76 @@
+"""SIGTERM to `longstraw train` (embedded Prefect): it stops within seconds, leaves no process
+behind (the ephemeral Prefect server), and prints one line naming `--resume`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from flow_helpers import write_run_yaml
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+FLOWS_DIR = Path(__file__).parent
+REPO = FLOWS_DIR.parents[1]
+EXIT_WITHIN_S = 15.0
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_LOCAL_STORAGE_PATH=str(home / "results"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(FLOWS_DIR), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="2",
+        # Each reward call sleeps: the run is still inside step 1 when the signal comes.
+        LONGSTRAW_TEST_REWARD_DELAY_S="0.5",
+    )
+    return env
+
+
+def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(tmp_path, runs_root):
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "interrupted", num_steps=3)
+    first_checkpoint = runs_root / "runs" / "interrupted" / "checkpoints" / "v000001"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
+        cwd=tmp_path,
+        env=_env(tmp_path / "prefect"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not first_checkpoint.is_dir():
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the first step never finished"
+            time.sleep(0.1)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "expected the embedded Prefect server as a child process"
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)  # the process only, as a supervisor would
+        output, _ = process.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    print(f"SIGTERM to exit: {took:.1f} s")
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
+    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
