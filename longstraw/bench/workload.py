@@ -22,6 +22,9 @@ Method = Literal[
     "prefill",
     "hf-forward",
     "fidelity",
+    "rollout",
+    "trl-generate",
+    "decode-steps",
 ]
 METHODS: tuple[str, ...] = Method.__args__  # type: ignore[attr-defined]
 
@@ -49,6 +52,8 @@ class BenchSpec(BaseModel):
     measured_sequences: int = Field(default=1, ge=1)
     """full-sequence / trl: sequences actually run; the step time is scaled to G linearly."""
     seed: int = 42
+    decode_group_sizes: tuple[int, ...] = ()
+    """decode-steps: the G values decoded (one after another) from the one prefilled state."""
 
 
 @dataclass(frozen=True)
