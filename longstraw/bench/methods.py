@@ -25,6 +25,7 @@ Legend: P prompt tokens, G responses, R_i response tokens, V vocabulary.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -272,21 +273,26 @@ def trl_generate_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, wor
 
 
 def decode_steps(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
-    """One prefill, then for each G: a short warm-up and `response_tokens` timed decoding steps."""
+    """One prefill, then for each G: a short warm-up and `decode_repeats` timed decodes of
+    `response_tokens` steps; a step's time is the median decode's time / `response_tokens`."""
     started = time.perf_counter()
     state = prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)
     prefill_s = time.perf_counter() - started
-    per_step: dict[int, float] = {}
+    runs: dict[int, list[float]] = {}
     for group_size in spec.decode_group_sizes or (spec.group_size,):
         sample_responses(model, state, _exact_length_params(group_size, 2))
         params = _exact_length_params(group_size, spec.response_tokens)
-        started = time.perf_counter()
-        sample_responses(model, state, params, generator=torch.Generator().manual_seed(spec.seed))
-        per_step[group_size] = (time.perf_counter() - started) / spec.response_tokens
+        runs[group_size] = []
+        for repeat in range(spec.decode_repeats):
+            generator = torch.Generator().manual_seed(spec.seed + repeat)
+            started = time.perf_counter()
+            sample_responses(model, state, params, generator=generator)
+            runs[group_size].append((time.perf_counter() - started) / spec.response_tokens)
     return {
-        "step_s": prefill_s + sum(per_step.values()) * spec.response_tokens,
+        "step_s": prefill_s + sum(sum(r) for r in runs.values()) * spec.response_tokens,
         "prefill_s": prefill_s,
-        "decode_step_s": per_step,
+        "decode_step_s": {g: statistics.median(r) for g, r in runs.items()},
+        "decode_step_runs_s": runs,
     }
 
 

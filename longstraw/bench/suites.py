@@ -352,6 +352,7 @@ def decode_suite(
     shard_tokens: int,
     time_cap_s: float,
     mem_cap_bytes: int,
+    repeats: int = 1,
     progress: Progress = print,
 ) -> dict:
     """Per P one process: prefill, then `response_tokens` decoding steps for each G."""
@@ -366,6 +367,7 @@ def decode_suite(
             response_tokens=response_tokens,
             shard_tokens=shard_tokens,
             decode_group_sizes=tuple(group_sizes),
+            decode_repeats=repeats,
         )
         record = _timed_run(spec, time_cap_s, mem_cap_bytes)
         progress(record)
@@ -375,7 +377,11 @@ def decode_suite(
         for r in runs
         if _ok(r)
     }
-    summary: dict = {"response_tokens": response_tokens, "decode_step_s": step_s}
+    summary: dict = {
+        "response_tokens": response_tokens,
+        "repeats": repeats,
+        "decode_step_s": step_s,
+    }
     if len(step_s) >= 2:
         p_lo, p_hi = min(step_s), max(step_s)
         summary["ratio_longest_over_shortest"] = {

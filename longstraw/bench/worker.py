@@ -77,6 +77,7 @@ def main(argv: list[str]) -> int:
                     "group_size": 1,
                     "shard_tokens": min(spec.shard_tokens, 128),
                     "decode_group_sizes": (),
+                    "decode_repeats": 1,
                 }
             )
             run_method(model, warmup, work_dir)

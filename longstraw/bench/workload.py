@@ -54,6 +54,8 @@ class BenchSpec(BaseModel):
     seed: int = 42
     decode_group_sizes: tuple[int, ...] = ()
     """decode-steps: the G values decoded (one after another) from the one prefilled state."""
+    decode_repeats: int = Field(default=1, ge=1)
+    """decode-steps: timed decodes per G (their median is the result)."""
 
 
 @dataclass(frozen=True)
