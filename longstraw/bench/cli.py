@@ -178,6 +178,9 @@ def decode(
     group_sizes: str = "1,2,4,8,16",
     response_tokens: int = 32,
     repeats: int = 3,
+    reference_tokens: int = typer.Option(
+        2048, help="also decode from the first N prompt tokens' state, alternated (0: off)"
+    ),
     shard_tokens: int = 2048,
     checkpoint: Path | None = typer.Option(None, help="default: the small qwen3_5 checkpoint"),
     time_cap: float = 1800.0,
@@ -191,6 +194,7 @@ def decode(
         group_sizes=_ints(group_sizes),
         response_tokens=response_tokens,
         repeats=repeats,
+        reference_tokens=reference_tokens,
         shard_tokens=shard_tokens,
         time_cap_s=time_cap,
         mem_cap_bytes=int(mem_cap_gib * _GIB),
@@ -198,6 +202,10 @@ def decode(
     )
     for p, row in result["summary"]["decode_step_s"].items():
         typer.echo(f"P={p}: " + ", ".join(f"G={g} {1e3 * s:.1f} ms" for g, s in row.items()))
+    for p, row in result["summary"].get("ratio_to_reference_same_process", {}).items():
+        typer.echo(
+            f"P={p} / P={reference_tokens}: " + ", ".join(f"G={g} {r:.2f}" for g, r in row.items())
+        )
     _write(result, out)
 
 

@@ -272,28 +272,59 @@ def trl_generate_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, wor
     return {"step_s": seconds, "decode_step_s": None}
 
 
+def _timed_decodes(model, state, group_size: int, spec: BenchSpec, repeat: int) -> float:
+    generator = torch.Generator().manual_seed(spec.seed + repeat)
+    params = _exact_length_params(group_size, spec.response_tokens)
+    started = time.perf_counter()
+    sample_responses(model, state, params, generator=generator)
+    return (time.perf_counter() - started) / spec.response_tokens
+
+
 def decode_steps(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
     """One prefill, then for each G: a short warm-up and `decode_repeats` timed decodes of
-    `response_tokens` steps; a step's time is the median decode's time / `response_tokens`."""
+    `response_tokens` steps; a step's time is the median decode's time / `response_tokens`.
+
+    With `decode_reference_tokens`, the state of the prompt's first that many tokens is decoded
+    from too, alternating with the full state decode by decode (its order reversed every
+    repeat), so their ratio is measured under the same load.
+    """
     started = time.perf_counter()
-    state = prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)
+    states = {"full": prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)}
     prefill_s = time.perf_counter() - started
-    runs: dict[int, list[float]] = {}
+    reference = spec.decode_reference_tokens
+    if 0 < reference < spec.prompt_tokens:
+        states["reference"] = prefill(
+            model, batch.prompt_ids[:reference], shard_tokens=spec.shard_tokens
+        )
+    runs: dict[str, dict[int, list[float]]] = {name: {} for name in states}
     for group_size in spec.decode_group_sizes or (spec.group_size,):
-        sample_responses(model, state, _exact_length_params(group_size, 2))
-        params = _exact_length_params(group_size, spec.response_tokens)
-        runs[group_size] = []
+        for name, state in states.items():
+            sample_responses(model, state, _exact_length_params(group_size, 2))
+            runs[name][group_size] = []
         for repeat in range(spec.decode_repeats):
-            generator = torch.Generator().manual_seed(spec.seed + repeat)
-            started = time.perf_counter()
-            sample_responses(model, state, params, generator=generator)
-            runs[group_size].append((time.perf_counter() - started) / spec.response_tokens)
-    return {
-        "step_s": prefill_s + sum(sum(r) for r in runs.values()) * spec.response_tokens,
-        "prefill_s": prefill_s,
-        "decode_step_s": {g: statistics.median(r) for g, r in runs.items()},
-        "decode_step_runs_s": runs,
+            order = list(states) if repeat % 2 == 0 else list(reversed(states))
+            for name in order:
+                step = _timed_decodes(model, states[name], group_size, spec, repeat)
+                runs[name][group_size].append(step)
+    median = {
+        name: {g: statistics.median(r) for g, r in by_g.items()} for name, by_g in runs.items()
     }
+    result = {
+        "step_s": prefill_s + sum(sum(r) for r in runs["full"].values()) * spec.response_tokens,
+        "prefill_s": prefill_s,
+        "decode_step_s": median["full"],
+        "decode_step_runs_s": runs["full"],
+    }
+    if "reference" in states:
+        result.update(
+            reference_tokens=reference,
+            reference_decode_step_s=median["reference"],
+            reference_decode_step_runs_s=runs["reference"],
+            ratio_to_reference={
+                g: median["full"][g] / median["reference"][g] for g in runs["full"]
+            },
+        )
+    return result
 
 
 def flat_grad(model: PreTrainedModel) -> torch.Tensor:

@@ -353,9 +353,12 @@ def decode_suite(
     time_cap_s: float,
     mem_cap_bytes: int,
     repeats: int = 1,
+    reference_tokens: int = 0,
     progress: Progress = print,
 ) -> dict:
-    """Per P one process: prefill, then `response_tokens` decoding steps for each G."""
+    """Per P one process: prefill, then `response_tokens` decoding steps for each G (and, with
+    `reference_tokens`, the same from the state of the prompt's first `reference_tokens` tokens,
+    alternated in the same process)."""
     info = machine()
     runs: list[dict] = []
     for p in prompt_lengths:
@@ -368,6 +371,7 @@ def decode_suite(
             shard_tokens=shard_tokens,
             decode_group_sizes=tuple(group_sizes),
             decode_repeats=repeats,
+            decode_reference_tokens=reference_tokens,
         )
         record = _timed_run(spec, time_cap_s, mem_cap_bytes)
         progress(record)
@@ -382,6 +386,16 @@ def decode_suite(
         "repeats": repeats,
         "decode_step_s": step_s,
     }
+    same_process = {
+        r["spec"]["prompt_tokens"]: {
+            int(g): x for g, x in r["result"]["ratio_to_reference"].items()
+        }
+        for r in runs
+        if _ok(r) and "ratio_to_reference" in r["result"]
+    }
+    if same_process:
+        summary["reference_tokens"] = reference_tokens
+        summary["ratio_to_reference_same_process"] = same_process
     if len(step_s) >= 2:
         p_lo, p_hi = min(step_s), max(step_s)
         summary["ratio_longest_over_shortest"] = {

@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
                     "shard_tokens": min(spec.shard_tokens, 128),
                     "decode_group_sizes": (),
                     "decode_repeats": 1,
+                    "decode_reference_tokens": 0,
                 }
             )
             run_method(model, warmup, work_dir)

@@ -56,6 +56,9 @@ class BenchSpec(BaseModel):
     """decode-steps: the G values decoded (one after another) from the one prefilled state."""
     decode_repeats: int = Field(default=1, ge=1)
     """decode-steps: timed decodes per G (their median is the result)."""
+    decode_reference_tokens: int = Field(default=0, ge=0)
+    """decode-steps: also prefill the first this many prompt tokens and decode from that state too,
+    alternated with the full one (the ratio of the two under the same load)."""
 
 
 @dataclass(frozen=True)
