@@ -74,7 +74,8 @@ def main(argv: list[str]) -> int:
             warmup = spec.model_copy(
                 update={
                     "prompt_tokens": min(_WARMUP_PROMPT_TOKENS, spec.prompt_tokens),
-                    "group_size": 1,
+                    # TRL's GRPO refuses fewer than 2 generations per prompt.
+                    "group_size": 2 if spec.method == "trl-generate" else 1,
                     "shard_tokens": min(spec.shard_tokens, 128),
                     "decode_group_sizes": (),
                     "decode_repeats": 1,
