@@ -163,6 +163,23 @@ def test_greedy_equals_transformers_generate(tiny_model, family):
         assert response.token_ids == generated, family
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_no_decoding_step_allocates_anything_prompt_sized(tiny_model, family):
+    """The prefix is read in place: no op of a rollout allocates half of one layer's prefix K
+    (the decoder before this rewrite allocated G copies of it per layer per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model(family)
+    state = prefill(model, random_ids(3000, vocab_of(model), seed=1), shard_tokens=1024)
+    layer_k_bytes = state.keys[0].numel() * state.keys.element_size()
+    params = SamplingParams(num_samples=4, max_new_tokens=4)
+    sample_responses(model, state, params)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        sample_responses(model, state, params)
+    largest = max(prof.events(), key=lambda e: e.cpu_memory_usage)
+    assert largest.cpu_memory_usage < layer_k_bytes / 2, (largest.name, largest.cpu_memory_usage)
+
+
 def _record(out: Path) -> None:
     """Write the reference file from the current decoder (see the module docstring)."""
     import tempfile
