@@ -22,6 +22,7 @@ from pathlib import Path
 
 _CHILD = r"""
 import json, os, sys, time, torch
+import longstraw
 torch.set_num_threads(int(os.environ.get("LONGSTRAW_BENCH_THREADS", "1")))
 from pathlib import Path
 from safetensors.torch import load_file, save_file
@@ -58,7 +59,8 @@ started = time.perf_counter()
 out = sample_responses(model, state, SamplingParams(num_samples=rows, max_new_tokens=tokens),
                        generator=torch.Generator().manual_seed(1))
 seconds = time.perf_counter() - started
-print(json.dumps({"decode_step_s": seconds / tokens, "token_ids": [r.token_ids for r in out]}))
+print(json.dumps({"decode_step_s": seconds / tokens, "token_ids": [r.token_ids for r in out],
+                  "longstraw": longstraw.__file__}))
 """
 
 
@@ -70,10 +72,20 @@ def _child(tree: str, *args: str) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "TRANSFORMERS_VERBOSITY": "error",
     }
+    # cwd = the tree: `python -c` puts the working directory first on sys.path.
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", _CHILD, *args],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    imported = result.get("longstraw")
+    if imported is not None and not Path(imported).resolve().is_relative_to(Path(tree).resolve()):
+        raise RuntimeError(f"tree {tree} imported longstraw from {imported}")
+    return result
 
 
 def main() -> None:
@@ -91,9 +103,9 @@ def main() -> None:
     from longstraw.bench.suites import machine
     from longstraw.bench.workload import ensure_checkpoint
 
-    trees = args.trees.split(",")
-    checkpoint = str(ensure_checkpoint(Path(args.checkpoint).parent))
-    state_dir = Path(args.state_dir)
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
+    checkpoint = str(ensure_checkpoint(Path(args.checkpoint).resolve().parent))
+    state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     info = machine()
     runs = []
