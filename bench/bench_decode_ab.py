@@ -8,7 +8,10 @@ A tree is a directory holding a `longstraw` package (a checkout, or `git worktre
 safetensors under `--state-dir`; every run is a fresh process that imports `longstraw` from one
 tree, loads that state, decodes 2 tokens as a warm-up, then G rows for `--tokens` steps (sampling
 included, temperature 1, no filters). For each P the trees run in turn, the order reversed every
-repeat. One torch thread, `OMP_WAIT_POLICY=PASSIVE`, as the suites.
+repeat. One torch thread, `OMP_WAIT_POLICY=PASSIVE`, as the suites (`LONGSTRAW_BENCH_THREADS`
+sets another count). `--breakdown` adds, per run, the seconds per step spent in each kind of
+module (forward hooks) and in the registered attention function, and the top ops of a profiled
+4-step decode.
 """
 
 from __future__ import annotations
@@ -55,12 +58,50 @@ state = PrefixState.from_tensors(
 )
 rows, tokens = int(rows), int(tokens)
 sample_responses(model, state, SamplingParams(num_samples=rows, max_new_tokens=2))
+extra = {}
+if mode == "breakdown":
+    # Seconds per step in each kind of module (forward hooks) and in the registered attention
+    # function, then the top ops of a 4-step torch.profiler run.
+    from collections import defaultdict
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from longstraw.engine.attention import ATTENTION_NAME
+
+    spent, starts = defaultdict(float), {}
+    kinds = {"self_attn": "full-attention layer", "linear_attn": "Gated DeltaNet layer",
+             "mlp": "MLP", "lm_head": "lm_head", "input_layernorm": "norms",
+             "post_attention_layernorm": "norms", "norm": "norms"}
+    for name, module in model.named_modules():
+        kind = kinds.get(name.split(".")[-1])
+        if kind is None:
+            continue
+        module.register_forward_pre_hook(lambda m, a, k=kind: starts.__setitem__(id(m), time.perf_counter()))
+        module.register_forward_hook(lambda m, a, o, k=kind: spent.__setitem__(k, spent[k] + time.perf_counter() - starts[id(m)]))
+    attention = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]
+    def timed_attention(*a, **k):
+        t0 = time.perf_counter()
+        out = attention(*a, **k)
+        spent["attention function"] += time.perf_counter() - t0
+        return out
+    AttentionInterface.register(ATTENTION_NAME, timed_attention)
 started = time.perf_counter()
 out = sample_responses(model, state, SamplingParams(num_samples=rows, max_new_tokens=tokens),
                        generator=torch.Generator().manual_seed(1))
 seconds = time.perf_counter() - started
+if mode == "breakdown":
+    extra["module_s_per_step"] = {k: v / tokens for k, v in spent.items()}
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        sample_responses(model, state, SamplingParams(num_samples=rows, max_new_tokens=4))
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    extra["top_ops"] = [
+        {"op": e.key, "shapes": str(e.input_shapes), "calls": e.count,
+         "self_cpu_share": e.self_cpu_time_total / total}
+        for e in sorted(prof.key_averages(group_by_input_shape=True),
+                        key=lambda e: -e.self_cpu_time_total)[:8]
+    ]
 print(json.dumps({"decode_step_s": seconds / tokens, "token_ids": [r.token_ids for r in out],
-                  "longstraw": longstraw.__file__}))
+                  "longstraw": longstraw.__file__, **extra}))
 """
 
 
@@ -98,6 +139,11 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=".longstraw/bench/qwen3_5-small")
     parser.add_argument("--state-dir", default=".longstraw/bench/decode_states")
     parser.add_argument("--out", default="bench/results/decode_before_after.json")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each kind of module per step and keep the top ops of a profiled run",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from longstraw.bench.suites import machine
@@ -116,8 +162,9 @@ def main() -> None:
         for repeat in range(args.repeats):
             for tree in trees if repeat % 2 == 0 else trees[::-1]:
                 before = os.getloadavg()[0]
+                mode = "breakdown" if args.breakdown else "decode"
                 result = _child(
-                    tree, "decode", checkpoint, state_file, str(p), str(args.rows), str(args.tokens)
+                    tree, mode, checkpoint, state_file, str(p), str(args.rows), str(args.tokens)
                 )
                 record = {
                     "tree": tree,
