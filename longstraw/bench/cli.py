@@ -144,6 +144,72 @@ def fidelity(
 
 
 @bench_app.command()
+def rollout(
+    prompt_lengths: str = "4096,8192",
+    group_size: int = 8,
+    response_tokens: int = 32,
+    repeats: int = 2,
+    shard_tokens: int = 2048,
+    checkpoint: Path | None = typer.Option(None, help="default: the small qwen3_5 checkpoint"),
+    time_cap: float = 900.0,
+    mem_cap_gib: float = 16.0,
+    out: Path = RESULTS / "rollout.json",
+) -> None:
+    """LongStraw's prefill + sampling against TRL's generation, alternated (own processes)."""
+    result = suites.rollout_suite(
+        _checkpoint(checkpoint),
+        prompt_lengths=_ints(prompt_lengths),
+        group_size=group_size,
+        response_tokens=response_tokens,
+        repeats=repeats,
+        shard_tokens=shard_tokens,
+        time_cap_s=time_cap,
+        mem_cap_bytes=int(mem_cap_gib * _GIB),
+        progress=_progress,
+    )
+    for p, point in result["summary"]["points"].items():
+        typer.echo(f"P={p}: TRL / LongStraw = {point.get('ratio_trl_over_longstraw')}")
+    _write(result, out)
+
+
+@bench_app.command()
+def decode(
+    prompt_lengths: str = "2048,8192,32768,65536",
+    group_sizes: str = "1,2,4,8,16",
+    response_tokens: int = 32,
+    repeats: int = 3,
+    reference_tokens: int = typer.Option(
+        2048, help="also decode from the first N prompt tokens' state, alternated (0: off)"
+    ),
+    shard_tokens: int = 2048,
+    checkpoint: Path | None = typer.Option(None, help="default: the small qwen3_5 checkpoint"),
+    time_cap: float = 1800.0,
+    mem_cap_gib: float = 16.0,
+    out: Path = RESULTS / "decode.json",
+) -> None:
+    """The time of one decoding step against P and G (sampling included)."""
+    result = suites.decode_suite(
+        _checkpoint(checkpoint),
+        prompt_lengths=_ints(prompt_lengths),
+        group_sizes=_ints(group_sizes),
+        response_tokens=response_tokens,
+        repeats=repeats,
+        reference_tokens=reference_tokens,
+        shard_tokens=shard_tokens,
+        time_cap_s=time_cap,
+        mem_cap_bytes=int(mem_cap_gib * _GIB),
+        progress=_progress,
+    )
+    for p, row in result["summary"]["decode_step_s"].items():
+        typer.echo(f"P={p}: " + ", ".join(f"G={g} {1e3 * s:.1f} ms" for g, s in row.items()))
+    for p, row in result["summary"].get("ratio_to_reference_same_process", {}).items():
+        typer.echo(
+            f"P={p} / P={reference_tokens}: " + ", ".join(f"G={g} {r:.2f}" for g, r in row.items())
+        )
+    _write(result, out)
+
+
+@bench_app.command()
 def plot(
     results: Path = RESULTS,
     out_dir: Path = Path("docs/img"),

@@ -13,12 +13,19 @@ Legend: P prompt tokens, G responses, R_i response tokens, V vocabulary.
 - `trl_step`: TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch (optional).
 - `prefill_step` / `hf_forward_step`: the prompt alone, LongStraw's sharded no-grad prefill against
   transformers' plain forward at its best settings (no grad, sdpa, `logits_to_keep=1`, no cache).
+- `rollout_step` / `trl_generate_step`: sampling G completions of exactly `response_tokens`
+  tokens from one prompt: LongStraw's prefill + `sample_responses` (one state, G rows decoded in
+  one batch) against TRL 1.16's own generation (`GRPOTrainer._generate_single_turn`: G prompt
+  copies through transformers' `generate`, gradient checkpointing on in training as TRL runs it).
+- `decode_steps`: the time of one decoding step for each G of `decode_group_sizes` from one
+  prefilled state.
 - `naive_group_gradient`: the reference gradient, full-sequence autograd over the whole group
   without checkpointing, TRL's batched loss (`group_loss`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -27,6 +34,7 @@ from transformers import PreTrainedModel
 from longstraw.bench.workload import Batch, BenchSpec
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
+from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.grpo.losses import branch_loss, group_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
 
@@ -108,8 +116,16 @@ def full_sequence_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) ->
     }
 
 
-def _trl_trainer(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str):
-    """A real TRL 1.16 GRPOTrainer around `model` (no generation: `_compute_loss` only)."""
+def _trl_trainer(
+    model: PreTrainedModel,
+    spec: BenchSpec,
+    batch: Batch,
+    work_dir: str,
+    *,
+    max_completion_length: int | None = None,
+    generation_kwargs: dict | None = None,
+):
+    """A real TRL 1.16 GRPOTrainer around `model` (its `_compute_loss`, or its generation)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig as TRLConfig
@@ -119,7 +135,8 @@ def _trl_trainer(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir
         output_dir=work_dir,
         per_device_train_batch_size=spec.group_size,
         num_generations=spec.group_size,
-        max_completion_length=max(r.numel() for r in batch.responses),
+        max_completion_length=max_completion_length or max(r.numel() for r in batch.responses),
+        generation_kwargs=generation_kwargs,
         loss_type=LOSS_CONFIG.loss_type,
         beta=LOSS_CONFIG.beta,
         epsilon=LOSS_CONFIG.epsilon,
@@ -204,6 +221,110 @@ def hf_forward_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> di
         model(input_ids=input_ids, logits_to_keep=1, use_cache=False)
     seconds = time.perf_counter() - started
     return {"step_s": seconds, "tokens_per_s": input_ids.shape[1] / seconds}
+
+
+def _exact_length_params(group_size: int, tokens: int) -> SamplingParams:
+    # No stop tokens: every row decodes exactly `tokens` tokens (TRL gets min_new_tokens).
+    return SamplingParams(num_samples=group_size, max_new_tokens=tokens)
+
+
+def rollout_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
+    """Prefill once, then sample G completions of exactly `response_tokens` tokens in one batch."""
+    started = time.perf_counter()
+    state = prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)
+    prefilled = time.perf_counter()
+    params = _exact_length_params(spec.group_size, spec.response_tokens)
+    responses = sample_responses(
+        model, state, params, generator=torch.Generator().manual_seed(spec.seed)
+    )
+    done = time.perf_counter()
+    assert all(len(r.token_ids) == spec.response_tokens for r in responses)
+    return {
+        "step_s": done - started,
+        "prefill_s": prefilled - started,
+        "sampling_s": done - prefilled,
+        "decode_step_s": (done - prefilled) / spec.response_tokens,
+    }
+
+
+def trl_generate_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str) -> dict:
+    """TRL 1.16's generation for one GRPO group: G copies of the prompt through `generate`."""
+    trainer = _trl_trainer(
+        model,
+        spec,
+        batch,
+        work_dir,
+        max_completion_length=spec.response_tokens,
+        generation_kwargs={"min_new_tokens": spec.response_tokens},
+    )
+    # As in TRL's training loop: the model trains with gradient checkpointing, which TRL's
+    # generation context turns off for the call.
+    model.gradient_checkpointing_enable()
+    model.train()
+    prompts = [batch.prompt_ids.tolist()] * spec.group_size
+    started = time.perf_counter()
+    with torch.no_grad():
+        completions, _ = trainer._generate_single_turn(prompts, None, {}, spec.group_size)
+    seconds = time.perf_counter() - started
+    model.gradient_checkpointing_disable()
+    model.eval()
+    assert [len(c) for c in completions] == [spec.response_tokens] * spec.group_size
+    return {"step_s": seconds, "decode_step_s": None}
+
+
+def _timed_decodes(model, state, group_size: int, spec: BenchSpec, repeat: int) -> float:
+    generator = torch.Generator().manual_seed(spec.seed + repeat)
+    params = _exact_length_params(group_size, spec.response_tokens)
+    started = time.perf_counter()
+    sample_responses(model, state, params, generator=generator)
+    return (time.perf_counter() - started) / spec.response_tokens
+
+
+def decode_steps(model: PreTrainedModel, spec: BenchSpec, batch: Batch) -> dict:
+    """One prefill, then for each G: a short warm-up and `decode_repeats` timed decodes of
+    `response_tokens` steps; a step's time is the median decode's time / `response_tokens`.
+
+    With `decode_reference_tokens`, the state of the prompt's first that many tokens is decoded
+    from too, alternating with the full state decode by decode (its order reversed every
+    repeat), so their ratio is measured under the same load.
+    """
+    started = time.perf_counter()
+    states = {"full": prefill(model, batch.prompt_ids, shard_tokens=spec.shard_tokens)}
+    prefill_s = time.perf_counter() - started
+    reference = spec.decode_reference_tokens
+    if 0 < reference < spec.prompt_tokens:
+        states["reference"] = prefill(
+            model, batch.prompt_ids[:reference], shard_tokens=spec.shard_tokens
+        )
+    runs: dict[str, dict[int, list[float]]] = {name: {} for name in states}
+    for group_size in spec.decode_group_sizes or (spec.group_size,):
+        for name, state in states.items():
+            sample_responses(model, state, _exact_length_params(group_size, 2))
+            runs[name][group_size] = []
+        for repeat in range(spec.decode_repeats):
+            order = list(states) if repeat % 2 == 0 else list(reversed(states))
+            for name in order:
+                step = _timed_decodes(model, states[name], group_size, spec, repeat)
+                runs[name][group_size].append(step)
+    median = {
+        name: {g: statistics.median(r) for g, r in by_g.items()} for name, by_g in runs.items()
+    }
+    result = {
+        "step_s": prefill_s + sum(sum(r) for r in runs["full"].values()) * spec.response_tokens,
+        "prefill_s": prefill_s,
+        "decode_step_s": median["full"],
+        "decode_step_runs_s": runs["full"],
+    }
+    if "reference" in states:
+        result.update(
+            reference_tokens=reference,
+            reference_decode_step_s=median["reference"],
+            reference_decode_step_runs_s=runs["reference"],
+            ratio_to_reference={
+                g: median["full"][g] / median["reference"][g] for g in runs["full"]
+            },
+        )
+    return result
 
 
 def flat_grad(model: PreTrainedModel) -> torch.Tensor:

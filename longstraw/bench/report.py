@@ -123,6 +123,51 @@ def fidelity_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def decode_table(data: dict) -> str:
+    sizes = sorted(
+        {int(g) for r in data["runs"] if r["status"] == "ok" for g in r["result"]["decode_step_s"]}
+    )
+    lines = [
+        "| P | load | " + " | ".join(f"G = {g}" for g in sizes) + " |",
+        "|---|---|" + "---:|" * len(sizes),
+    ]
+    for r in data["runs"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['spec']['prompt_tokens']} | {r['status']} |" + " |" * len(sizes))
+            continue
+        steps = r["result"]["decode_step_s"]
+        load = r.get("load_average", [0.0, 0.0])
+        cells = " | ".join(
+            f"{1e3 * steps[str(g)]:.1f} ms" if str(g) in steps else "–" for g in sizes
+        )
+        lines.append(f"| {r['spec']['prompt_tokens']} | {load[0]:.1f}–{load[1]:.1f} | {cells} |")
+    same = data["summary"].get("ratio_to_reference_same_process")
+    if same:
+        ref = data["summary"]["reference_tokens"]
+        lines += [
+            "",
+            f"| P / {ref} (same process) | " + " | ".join(f"G = {g}" for g in sizes) + " |",
+            "|---|" + "---:|" * len(sizes),
+        ]
+        for p, row in same.items():
+            lines.append(f"| {p} | " + " | ".join(_ratio(row.get(str(g))) for g in sizes) + " |")
+    return "\n".join(lines)
+
+
+def rollout_table(data: dict) -> str:
+    lines = [
+        "| P | TRL generation (s) | LongStraw prefill + sampling (s) | TRL / LongStraw (medians) |",
+        "|---:|---|---|---:|",
+    ]
+    for p, point in data["summary"]["points"].items():
+        trl = ", ".join(f"{x:.1f}" for x in point.get("trl-generate", {}).get("step_s", []))
+        ours = ", ".join(f"{x:.1f}" for x in point.get("rollout", {}).get("step_s", []))
+        lines.append(
+            f"| {p} | {trl or '–'} | {ours or '–'} | {_ratio(point.get('ratio_trl_over_longstraw'))} |"
+        )
+    return "\n".join(lines)
+
+
 def render(results: Path) -> str:
     """Every result file under `results` (sorted by name), as markdown with its command."""
     tables = {
@@ -130,6 +175,8 @@ def render(results: Path) -> str:
         "group": group_table,
         "context": context_table,
         "fidelity": fidelity_table,
+        "decode": decode_table,
+        "rollout": rollout_table,
     }
     parts = []
     for path in sorted(results.glob("*.json")):
@@ -138,7 +185,10 @@ def render(results: Path) -> str:
         if table is None:
             continue
         m = data["machine"]
-        command = m["command"].replace("/work/main/longstraw/bench/__main__.py", "longstraw bench")
+        program, _, rest = m["command"].partition(" ")
+        if program.endswith("longstraw/bench/__main__.py"):
+            program = "longstraw bench"
+        command = f"{program} {rest}".strip()
         parts.append(
             f"### {path.name}\n\n`{command}` — {m['date']}, {m['cpus']} CPUs, "
             f"{m['memory_gib']} GiB, torch {m['torch']}, load average at start "

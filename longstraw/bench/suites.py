@@ -6,6 +6,9 @@
   a point whose predicted time (the last time × the length ratio, a lower bound as cost grows at
   least linearly in P) passes the time cap is recorded as "skipped" with that reason.
 - `fidelity_suite`: each method's gradient against the exact full-sequence gradient.
+- `rollout_suite`: LongStraw's prefill + sampling against TRL's generation for one group, the
+  two systems alternated (each run its own process), `repeats` runs of each per prompt length.
+- `decode_suite`: the time of one decoding step against P and G (one process per P).
 
 Every suite returns a JSON-able dict: the machine, the command, every run record, a summary.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -266,3 +270,136 @@ def fidelity_suite(
     progress(record)
     summary = record["result"]["methods"] if _ok(record) else {}
     return {"suite": "fidelity", "machine": info, "runs": [record], "summary": summary}
+
+
+def _timed_run(spec: BenchSpec, time_cap_s: float, mem_cap_bytes: int) -> dict:
+    """`run_isolated` with the 1-minute load average before and after the run in the record."""
+    before = os.getloadavg()[0]
+    record = run_isolated(spec, time_cap_s=time_cap_s, mem_cap_bytes=mem_cap_bytes)
+    record["load_average"] = [before, os.getloadavg()[0]]
+    return record
+
+
+def rollout_suite(
+    checkpoint: str,
+    *,
+    prompt_lengths: Sequence[int],
+    group_size: int,
+    response_tokens: int,
+    repeats: int,
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    methods: Sequence[str] = ("trl-generate", "rollout"),
+    progress: Progress = print,
+) -> dict:
+    """Alternated: for each P and repeat, every method once, the order reversed every repeat."""
+    info = machine()
+    runs: list[dict] = []
+    for p in prompt_lengths:
+        for repeat in range(repeats):
+            order = list(methods) if repeat % 2 == 0 else list(reversed(methods))
+            for method in order:
+                spec = BenchSpec(
+                    method=method,
+                    checkpoint=checkpoint,
+                    prompt_tokens=p,
+                    group_size=group_size,
+                    response_tokens=response_tokens,
+                    shard_tokens=shard_tokens,
+                )
+                record = _timed_run(spec, time_cap_s, mem_cap_bytes)
+                progress(record)
+                runs.append(record)
+    points: dict = {}
+    for p in prompt_lengths:
+        point: dict = {}
+        for method in methods:
+            ok = [
+                r["result"]
+                for r in runs
+                if r["spec"]["prompt_tokens"] == p and r["spec"]["method"] == method and _ok(r)
+            ]
+            point[method] = {
+                "runs_ok": len(ok),
+                "step_s": [r["step_s"] for r in ok],
+                "median_step_s": statistics.median([r["step_s"] for r in ok]) if ok else None,
+            }
+            if ok and "prefill_s" in ok[0]:
+                point[method]["prefill_s"] = [r["prefill_s"] for r in ok]
+                point[method]["sampling_s"] = [r["sampling_s"] for r in ok]
+        trl, ours = point.get("trl-generate", {}), point.get("rollout", {})
+        if trl.get("median_step_s") and ours.get("median_step_s"):
+            point["ratio_trl_over_longstraw"] = trl["median_step_s"] / ours["median_step_s"]
+        points[p] = point
+    loads = [x for r in runs for x in r.get("load_average", [])]
+    summary = {
+        "group_size": group_size,
+        "response_tokens": response_tokens,
+        "repeats": repeats,
+        "points": points,
+        "load_average_range": [min(loads), max(loads)] if loads else None,
+    }
+    return {"suite": "rollout", "machine": info, "runs": runs, "summary": summary}
+
+
+def decode_suite(
+    checkpoint: str,
+    *,
+    prompt_lengths: Sequence[int],
+    group_sizes: Sequence[int],
+    response_tokens: int,
+    shard_tokens: int,
+    time_cap_s: float,
+    mem_cap_bytes: int,
+    repeats: int = 1,
+    reference_tokens: int = 0,
+    progress: Progress = print,
+) -> dict:
+    """Per P one process: prefill, then `response_tokens` decoding steps for each G (and, with
+    `reference_tokens`, the same from the state of the prompt's first `reference_tokens` tokens,
+    alternated in the same process)."""
+    info = machine()
+    runs: list[dict] = []
+    for p in prompt_lengths:
+        spec = BenchSpec(
+            method="decode-steps",
+            checkpoint=checkpoint,
+            prompt_tokens=p,
+            group_size=max(group_sizes),
+            response_tokens=response_tokens,
+            shard_tokens=shard_tokens,
+            decode_group_sizes=tuple(group_sizes),
+            decode_repeats=repeats,
+            decode_reference_tokens=reference_tokens,
+        )
+        record = _timed_run(spec, time_cap_s, mem_cap_bytes)
+        progress(record)
+        runs.append(record)
+    step_s = {
+        r["spec"]["prompt_tokens"]: {int(g): s for g, s in r["result"]["decode_step_s"].items()}
+        for r in runs
+        if _ok(r)
+    }
+    summary: dict = {
+        "response_tokens": response_tokens,
+        "repeats": repeats,
+        "decode_step_s": step_s,
+    }
+    same_process = {
+        r["spec"]["prompt_tokens"]: {
+            int(g): x for g, x in r["result"]["ratio_to_reference"].items()
+        }
+        for r in runs
+        if _ok(r) and "ratio_to_reference" in r["result"]
+    }
+    if same_process:
+        summary["reference_tokens"] = reference_tokens
+        summary["ratio_to_reference_same_process"] = same_process
+    if len(step_s) >= 2:
+        p_lo, p_hi = min(step_s), max(step_s)
+        summary["ratio_longest_over_shortest"] = {
+            g: step_s[p_hi][g] / step_s[p_lo][g] for g in step_s[p_lo] if g in step_s[p_hi]
+        }
+        summary["ratio_prompt_lengths"] = [p_lo, p_hi]
+    return {"suite": "decode", "machine": info, "runs": runs, "summary": summary}

@@ -46,6 +46,12 @@ def run_method(model, spec: BenchSpec, work_dir: str) -> dict:
         return methods.trl_step(model, spec, batch, work_dir)
     if spec.method == "prefill":
         return methods.prefill_step(model, spec, batch)
+    if spec.method == "rollout":
+        return methods.rollout_step(model, spec, batch)
+    if spec.method == "trl-generate":
+        return methods.trl_generate_step(model, spec, batch, work_dir)
+    if spec.method == "decode-steps":
+        return methods.decode_steps(model, spec, batch)
     if spec.method == "hf-forward":
         return methods.hf_forward_step(model, spec, batch)
     assert spec.method == "fidelity", spec.method
@@ -68,8 +74,12 @@ def main(argv: list[str]) -> int:
             warmup = spec.model_copy(
                 update={
                     "prompt_tokens": min(_WARMUP_PROMPT_TOKENS, spec.prompt_tokens),
-                    "group_size": 1,
+                    # TRL's GRPO refuses fewer than 2 generations per prompt.
+                    "group_size": 2 if spec.method == "trl-generate" else 1,
                     "shard_tokens": min(spec.shard_tokens, 128),
+                    "decode_group_sizes": (),
+                    "decode_repeats": 1,
+                    "decode_reference_tokens": 0,
                 }
             )
             run_method(model, warmup, work_dir)

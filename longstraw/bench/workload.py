@@ -22,6 +22,9 @@ Method = Literal[
     "prefill",
     "hf-forward",
     "fidelity",
+    "rollout",
+    "trl-generate",
+    "decode-steps",
 ]
 METHODS: tuple[str, ...] = Method.__args__  # type: ignore[attr-defined]
 
@@ -49,6 +52,13 @@ class BenchSpec(BaseModel):
     measured_sequences: int = Field(default=1, ge=1)
     """full-sequence / trl: sequences actually run; the step time is scaled to G linearly."""
     seed: int = 42
+    decode_group_sizes: tuple[int, ...] = ()
+    """decode-steps: the G values decoded (one after another) from the one prefilled state."""
+    decode_repeats: int = Field(default=1, ge=1)
+    """decode-steps: timed decodes per G (their median is the result)."""
+    decode_reference_tokens: int = Field(default=0, ge=0)
+    """decode-steps: also prefill the first this many prompt tokens and decode from that state too,
+    alternated with the full one (the ratio of the two under the same load)."""
 
 
 @dataclass(frozen=True)

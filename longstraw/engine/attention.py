@@ -45,7 +45,10 @@ def longstraw_attention(
         )
     layer = cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5
-    if key_BKSD.shape[2] == query_BHSD.shape[2]:
+    # Decoding (the layer keeps the rows' own K/V between steps, or a few new queries meet a
+    # longer overlay) runs without autograd and reads the prefix once for all rows.
+    decoding = layer.keep_branch or key_BKSD.shape[2] != query_BHSD.shape[2]
+    if not decoding:
         out_BHSD = prefix_cached_attention(
             query_BHSD,
             key_BKSD,
@@ -58,7 +61,6 @@ def longstraw_attention(
             prefix_grad_v_TKD=layer.grad_v_TKD,
         )
     else:
-        # Decoding: a few new queries against a longer branch overlay (no autograd).
         out_BHSD = decode_attention(
             query_BHSD, key_BKSD, value_BKSD, layer.prefix_k_TKD, layer.prefix_v_TKD, scale=scale
         )

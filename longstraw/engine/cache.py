@@ -18,6 +18,41 @@ import torch
 from transformers.cache_utils import Cache
 
 
+class BranchBuffer:
+    """Decoding's record of the rows' own state along `dim`: preallocated, appended in place.
+
+    `append(x)` writes `x` after what is kept and returns a view of everything kept so far, so a
+    decoding step allocates nothing (until `capacity` is passed; then the buffer doubles, and
+    views handed out earlier keep reading the old storage, whose first entries are unchanged).
+    Decoding runs without autograd; the in-place writes would break a graph.
+    """
+
+    def __init__(self, dim: int, capacity: int = 0):
+        self.dim = dim
+        self.capacity = capacity
+        self.length = 0
+        self.data: torch.Tensor | None = None
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("BranchBuffer keeps decoding state in place: run under no_grad")
+        end = self.length + x.shape[self.dim]
+        if self.data is None or end > self.data.shape[self.dim]:
+            size = 0 if self.data is None else self.data.shape[self.dim]
+            shape = list(x.shape)
+            shape[self.dim] = max(end, self.capacity, 2 * size)
+            grown = x.new_empty(shape)
+            if self.length:
+                grown.narrow(self.dim, 0, self.length).copy_(self.view())
+            self.data = grown
+        self.data.narrow(self.dim, self.length, x.shape[self.dim]).copy_(x)
+        self.length = end
+        return self.view()
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.data is None else self.data.narrow(self.dim, 0, self.length)
+
+
 class PrefixAttentionLayer:
     """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V."""
 
@@ -33,6 +68,7 @@ class PrefixAttentionLayer:
         grad_v_TKD: torch.Tensor | None = None,
         on_update: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         keep_branch: bool = False,
+        branch_capacity: int = 0,
     ):
         self.prefix_k_TKD = prefix_k_TKD
         self.prefix_v_TKD = prefix_v_TKD
@@ -40,10 +76,11 @@ class PrefixAttentionLayer:
         self.grad_k_TKD = grad_k_TKD
         self.grad_v_TKD = grad_v_TKD
         self.on_update = on_update
-        # Decoding keeps the branch's own K/V between steps (a small overlay, never the prefix).
+        # Decoding keeps the branch's own K/V between steps (a small overlay, never the prefix),
+        # in buffers preallocated for `branch_capacity` tokens.
         self.keep_branch = keep_branch
-        self.branch_k_BKRD: torch.Tensor | None = None
-        self.branch_v_BKRD: torch.Tensor | None = None
+        self.branch_k = BranchBuffer(2, branch_capacity)
+        self.branch_v = BranchBuffer(2, branch_capacity)
 
     def update(
         self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
@@ -52,14 +89,10 @@ class PrefixAttentionLayer:
             self.on_update(k_BKSD, v_BKSD)
         if not self.keep_branch:
             return k_BKSD, v_BKSD
-        if self.branch_k_BKRD is not None:
-            k_BKSD = torch.cat([self.branch_k_BKRD, k_BKSD], dim=2)
-            v_BKSD = torch.cat([self.branch_v_BKRD, v_BKSD], dim=2)
-        self.branch_k_BKRD, self.branch_v_BKRD = k_BKSD, v_BKSD
-        return k_BKSD, v_BKSD
+        return self.branch_k.append(k_BKSD), self.branch_v.append(v_BKSD)
 
     def branch_length(self) -> int:
-        return 0 if self.branch_k_BKRD is None else self.branch_k_BKRD.shape[2]
+        return self.branch_k.length
 
 
 class ForkedLinearAttentionLayer:
@@ -145,6 +178,7 @@ class PrefixMlaLayer:
         grad_rope_TE: torch.Tensor | None = None,
         on_update: Callable[..., None] | None = None,
         keep_branch: bool = False,
+        branch_capacity: int = 0,
     ):
         self.prefix_latent_TR = prefix_latent_TR
         self.prefix_rope_TE = prefix_rope_TE
@@ -156,7 +190,8 @@ class PrefixMlaLayer:
         self.grad_rope_TE = grad_rope_TE
         self.on_update = on_update
         self.keep_branch = keep_branch
-        self.branch: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # Decoding's kept latents, rope keys and indexer keys ([B, X, *], appended along X).
+        self.branch = tuple(BranchBuffer(1, branch_capacity) for _ in range(3))
 
     def update(
         self,
@@ -170,16 +205,13 @@ class PrefixMlaLayer:
         new = (latent_BSR, rope_BSE, index_key_BSD)
         if not self.keep_branch:
             return new
-        if self.branch is not None:
-            new = tuple(
-                None if old is None else torch.cat([old, cur], dim=1)
-                for old, cur in zip(self.branch, new, strict=True)
-            )
-        self.branch = new
-        return new
+        return tuple(
+            None if cur is None else kept.append(cur)
+            for kept, cur in zip(self.branch, new, strict=True)
+        )
 
     def branch_length(self) -> int:
-        return 0 if self.branch is None else self.branch[0].shape[1]
+        return self.branch[0].length
 
 
 class StateCache(Cache):

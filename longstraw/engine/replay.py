@@ -99,8 +99,13 @@ def branch_cache(
     *,
     keep_branch: bool = False,
     batch_size: int = 1,
+    branch_capacity: int = 0,
 ) -> BranchCache:
-    """Layers that read the whole prompt state; with `cotangent`, collect dS during backward."""
+    """Layers that read the whole prompt state; with `cotangent`, collect dS during backward.
+
+    `keep_branch` (decoding): attention layers keep the rows' own K/V / latents between forwards,
+    in buffers preallocated for `branch_capacity` tokens.
+    """
     spec = state.spec
     layers: list = [None] * spec.num_layers
     conv_leaves: dict[int, torch.Tensor] = {}
@@ -113,6 +118,7 @@ def branch_cache(
                 grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
                 grad_v_TKD=None if cotangent is None else cotangent.values[slot],
                 keep_branch=keep_branch,
+                branch_capacity=branch_capacity,
             )
     if spec.linear_attention is not None:
         final = state.num_shards
@@ -139,6 +145,7 @@ def branch_cache(
                 grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
                 grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
                 keep_branch=keep_branch,
+                branch_capacity=branch_capacity,
             )
     cache = StateCache(layers, position_offset=state.num_tokens)
     return BranchCache(cache, conv_leaves, recurrent_leaves)

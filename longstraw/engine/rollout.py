@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.replay import branch_cache, replay_logits
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import check_positions
@@ -133,12 +134,14 @@ def decode(
             if stop_ids.numel()
             else torch.zeros(rows, dtype=torch.bool)
         )
+        # One conversion per step, not three tensor reads per row.
+        choice_ids, chosen, stopped = choice[:, 0].tolist(), chosen_logp.tolist(), is_stop.tolist()
         for row in range(rows):
             if finish[row] is not None:
                 continue
-            sampled[row].append(int(choice[row, 0]))
-            logprobs[row].append(float(chosen_logp[row]))
-            if bool(is_stop[row]):
+            sampled[row].append(choice_ids[row])
+            logprobs[row].append(chosen[row])
+            if stopped[row]:
                 finish[row] = "stop"
             elif params.stop_strings:
                 text = decode_response(tokenizer, sampled[row])
@@ -168,7 +171,9 @@ def sample_responses(
         state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
     )
     rows = params.num_samples
-    cache = branch_cache(state, keep_branch=True, batch_size=rows).cache
+    cache = branch_cache(
+        state, keep_branch=True, batch_size=rows, branch_capacity=params.max_new_tokens
+    ).cache
 
     def next_logits(tokens_G1: torch.Tensor) -> torch.Tensor:
         logits_GV = replay_logits(model, state, tokens_G1, cache)[:, -1]
@@ -176,7 +181,9 @@ def sample_responses(
         return logits_GV
 
     first_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
-    return decode(next_logits, first_G1, params, generator=generator, tokenizer=tokenizer)
+    # Installed once for the whole loop (each step's `replay_logits` then finds it in place).
+    with prefix_attention_enabled(model):
+        return decode(next_logits, first_G1, params, generator=generator, tokenizer=tokenizer)
 
 
 @torch.no_grad()

@@ -1,12 +1,20 @@
 """Attention for decoding from a frozen prefix: Q new queries, N branch keys (N >= Q), T prefix keys.
 
 Legend: B rows (samples), H query heads, K kv heads, G = H // K, Q new queries, N branch keys so far
-(the last Q of which belong to the new queries), T prefix keys, D / V head dims.
+(the last Q of which belong to the new queries), T prefix keys, D / V head dims, M = B * G * Q
+query rows that read one prefix kv head, X = G * Q query rows of one row's kv head.
 
 Rollout samples G responses in one batch from one shared prefix; each step's queries attend to all
 prefix keys and, bottom-right aligned, to the branch keys up to their own position. No autograd:
-this path only generates. The prefix is read in chunks with an online softmax, so no [Q, T]
-score matrix exists at once.
+this path only generates.
+
+The prefix has no batch dimension, so every row's queries of kv head k read the same keys: all
+M = B * G * Q of them are folded into ONE query block [K, M, D] and the prefix is read once per
+layer per step, by one call of PyTorch's fused CPU flash kernel (which returns the log-sum-exp),
+over a [1, K, T, D] view of the [T, K, D] state (no copy). The rows' own keys (a view of the
+layer's preallocated branch buffer) are a second, branch-sized partial; the two merge by
+log-sum-exp. Where the fused kernel does not apply (other devices or dtypes, V != D) the prefix
+partial is the same folded block against prefix chunks, one bmm per chunk.
 """
 
 from __future__ import annotations
@@ -14,8 +22,53 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Prefix keys per chunk: [B, H, Q, 8192] fp32 scores at most per step.
-_PREFIX_CHUNK = 8192
+from longstraw.ops.prefix_attention import _prefix_partial, merge_partial_attention
+
+# Prefix keys per chunk of the fallback path: [K, M, 4096] fp32 scores at most.
+_PREFIX_CHUNK = 4096
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_applies(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> bool:
+    return (
+        _CPU_FLASH is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_prefix_TKD.dtype == q.dtype == v_prefix_TKV.dtype
+        and k_prefix_TKD.shape[-1] == v_prefix_TKV.shape[-1]
+    )
+
+
+def _prefix_partial_folded(
+    q_KMD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(out [K, M, V] fp32, lse [K, M] fp32) of M query rows per kv head over all T > 0 keys."""
+    if _flash_applies(q_KMD, k_prefix_TKD, v_prefix_TKV):
+        k_1KTD = k_prefix_TKD.permute(1, 0, 2).unsqueeze(0)
+        v_1KTV = v_prefix_TKV.permute(1, 0, 2).unsqueeze(0)
+        out, lse = _CPU_FLASH(
+            q_KMD.unsqueeze(0), k_1KTD, v_1KTV, 0.0, False, attn_mask=None, scale=scale
+        )[:2]
+        return out[0].float(), lse[0].float()
+    dtype = torch.promote_types(q_KMD.dtype, torch.float32)
+    return _prefix_partial(q_KMD.to(dtype) * scale, k_prefix_TKD, v_prefix_TKV, _PREFIX_CHUNK)
+
+
+def _branch_partial(q_BKXD: Tensor, k_BKND: Tensor, v_BKNV: Tensor, q_len: int, scale: float):
+    """(out [B, K, X, V], lse [B, K, X]) fp32 over the rows' own keys, bottom-right causal."""
+    dtype = torch.promote_types(q_BKXD.dtype, torch.float32)
+    n = k_BKND.shape[2]
+    scores_BKXN = (q_BKXD.to(dtype) @ k_BKND.to(dtype).transpose(-1, -2)).mul_(scale)
+    if q_len > 1:
+        # Query j (of Q) sits at branch position N - Q + j and sees keys 0 .. N - Q + j.
+        own_X = (n - q_len + torch.arange(q_len, device=q_BKXD.device)).repeat(
+            q_BKXD.shape[2] // q_len
+        )
+        hidden_XN = torch.arange(n, device=q_BKXD.device)[None, :] > own_X[:, None]
+        scores_BKXN.masked_fill_(hidden_XN, float("-inf"))
+    lse_BKX = torch.logsumexp(scores_BKXN, dim=-1)
+    probs_BKXN = scores_BKXN.sub_(lse_BKX[..., None]).exp_()
+    return probs_BKXN @ v_BKNV.to(dtype), lse_BKX
 
 
 @torch.no_grad()
@@ -28,37 +81,30 @@ def decode_attention(
     *,
     scale: float,
 ) -> Tensor:
-    """out_BHQV of the Q newest branch queries over [prefix ; branch[: own position + 1]]."""
-    b, h, q_len, _ = q_BHQD.shape
+    """out_BHQV of the Q newest branch queries over [prefix ; branch[: own position + 1]].
+
+    The branch K/V may be strided views (the layer's preallocated buffer); the prefix is read
+    in place, once, whatever B.
+    """
+    b, h, q_len, d = q_BHQD.shape
     k_heads, n = k_branch_BKND.shape[1], k_branch_BKND.shape[2]
     if n < q_len:
         raise ValueError(f"branch keys ({n}) must include the {q_len} new queries' own keys")
     groups = h // k_heads
-    q = q_BHQD.float().reshape(b, k_heads, groups * q_len, -1) * scale  # [B, K, G*Q, D]
-
-    # Branch part: query j sits at branch position n - q_len + j.
-    scores_BKXN = q @ k_branch_BKND.float().transpose(-1, -2)
-    positions = torch.arange(n, device=q.device)
-    own = (n - q_len + torch.arange(q_len, device=q.device)).repeat(groups)  # [G*Q]
-    scores_BKXN = scores_BKXN.masked_fill(positions[None, :] > own[:, None], float("-inf"))
-    running_max = scores_BKXN.amax(-1, keepdim=True)
-    weights = torch.exp(scores_BKXN - running_max)
-    running_sum = weights.sum(-1, keepdim=True)
-    acc = weights @ v_branch_BKNV.float()
-
-    for start in range(0, k_prefix_TKD.shape[0], _PREFIX_CHUNK):
-        k_chunk = k_prefix_TKD[start : start + _PREFIX_CHUNK].float().permute(1, 2, 0)  # [K, D, C]
-        v_chunk = v_prefix_TKV[start : start + _PREFIX_CHUNK].float().transpose(0, 1)  # [K, C, V]
-        scores = q @ k_chunk  # [B, K, G*Q, C]
-        chunk_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
-        correction = torch.exp(running_max - chunk_max)
-        weights = torch.exp(scores - chunk_max)
-        running_sum = running_sum * correction + weights.sum(-1, keepdim=True)
-        acc = acc * correction + weights @ v_chunk
-        running_max = chunk_max
-
-    out = (acc / running_sum).reshape(b, h, q_len, -1)
-    return out.to(q_BHQD.dtype)
+    value_dim = v_branch_BKNV.shape[-1]
+    q_BKXD = q_BHQD.reshape(b, k_heads, groups * q_len, d)
+    out_BKXV, lse_BKX = _branch_partial(q_BKXD, k_branch_BKND, v_branch_BKNV, q_len, scale)
+    if k_prefix_TKD.shape[0] > 0:
+        # Rows in (B, G, Q) order per kv head: one query block that reads the prefix once.
+        q_KMD = q_BKXD.transpose(0, 1).reshape(k_heads, b * groups * q_len, d)
+        out_KMV, lse_KM = _prefix_partial_folded(q_KMD, k_prefix_TKD, v_prefix_TKV, scale)
+        out_BKXV, lse_BKX = merge_partial_attention(
+            out_KMV.view(k_heads, b, -1, value_dim).transpose(0, 1),
+            lse_KM.view(k_heads, b, -1).transpose(0, 1),
+            out_BKXV,
+            lse_BKX,
+        )
+    return out_BKXV.reshape(b, h, q_len, value_dim).to(q_BHQD.dtype)
 
 
 def naive_decode_attention(

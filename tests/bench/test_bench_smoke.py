@@ -69,6 +69,40 @@ def test_each_method_reports_a_positive_step_time(tiny, method, tmp_path):
         assert result["tokens_per_s"] > 0, result
 
 
+def test_rollout_and_decode_steps_report_their_stages(tiny, tmp_path):
+    path, model = tiny
+    spec = BenchSpec(
+        method="rollout", checkpoint=path, prompt_tokens=63, group_size=3, response_tokens=5
+    )
+    result = run_method(model, spec, str(tmp_path))
+    assert result["step_s"] == pytest.approx(result["prefill_s"] + result["sampling_s"]), result
+    assert result["decode_step_s"] == pytest.approx(result["sampling_s"] / 5), result
+    spec = spec.model_copy(
+        update={
+            "method": "decode-steps",
+            "decode_group_sizes": (1, 2),
+            "decode_repeats": 2,
+            "decode_reference_tokens": 17,
+        }
+    )
+    result = run_method(model, spec, str(tmp_path))
+    assert sorted(result["decode_step_s"]) == [1, 2], result
+    assert all(len(r) == 2 for r in result["decode_step_runs_s"].values()), result
+    assert all(s > 0 for s in result["decode_step_s"].values()), result
+    assert result["reference_tokens"] == 17 and sorted(result["ratio_to_reference"]) == [1, 2]
+
+
+def test_trl_generation_returns_completions_of_exactly_the_asked_length(tiny, tmp_path):
+    pytest.importorskip("trl")
+    path, model = tiny
+    spec = BenchSpec(
+        method="trl-generate", checkpoint=path, prompt_tokens=63, group_size=3, response_tokens=5
+    )
+    result = run_method(model, spec, str(tmp_path))
+    assert result["step_s"] > 0, result
+    assert not model.training and not model.is_gradient_checkpointing
+
+
 def test_fidelity_puts_exact_full_sequence_and_trl_on_the_reference_and_detached_off_it(
     tiny, tmp_path
 ):
