@@ -92,17 +92,6 @@ def test_rollout_and_decode_steps_report_their_stages(tiny, tmp_path):
     assert result["reference_tokens"] == 17 and sorted(result["ratio_to_reference"]) == [1, 2]
 
 
-def test_trl_generation_returns_completions_of_exactly_the_asked_length(tiny, tmp_path):
-    pytest.importorskip("trl")
-    path, model = tiny
-    spec = BenchSpec(
-        method="trl-generate", checkpoint=path, prompt_tokens=63, group_size=3, response_tokens=5
-    )
-    result = run_method(model, spec, str(tmp_path))
-    assert result["step_s"] > 0, result
-    assert not model.training and not model.is_gradient_checkpointing
-
-
 def test_fidelity_puts_exact_full_sequence_and_trl_on_the_reference_and_detached_off_it(
     tiny, tmp_path
 ):
