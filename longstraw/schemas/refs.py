@@ -13,7 +13,7 @@ class _Ref(BaseModel):
 
 
 class CheckpointRef(_Ref):
-    """A committed training checkpoint: a Hugging Face directory plus optimizer/RNG state."""
+    """A committed training checkpoint: a Hugging Face directory plus optimizer state."""
 
     uri: str
     """Directory of the checkpoint (file:// URI)."""

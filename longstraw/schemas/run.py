@@ -102,7 +102,8 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=1, ge=1)
     """Write a Hugging Face checkpoint every this many steps (and always after the last)."""
     seed: int = Field(default=42, ge=0)
-    """Seed of sampling and data order; checkpoints store RNG states so a resume reproduces."""
+    """Seed of sampling and data order: each group samples from a generator seeded by (seed,
+    step, prompt), so a resumed run or another process draws the same responses."""
 
 
 class ParallelConfig(_Section):
