@@ -74,27 +74,6 @@ def reduce_gradients(
     return sweep
 
 
-def _branch_inputs(
-    model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
-    num_items_in_batch, num_sequences_in_batch, ref_logprobs=None, importance_weights=None,
-) -> GroupInputs:  # fmt: skip
-    """The single-process path's front door (`engine.group.group_inputs`): the same checks and
-    the same loss weights."""
-    return group_inputs(
-        model,
-        responses,
-        advantages,
-        loss_config,
-        prompt_grad=prompt_grad,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        loss_masks=loss_masks,
-        num_items_in_batch=num_items_in_batch,
-        num_sequences_in_batch=num_sequences_in_batch,
-        importance_weights=importance_weights,
-    )
-
-
 @dataclass
 class ReplayRecord:
     """What the replicated replay of a group produced besides gradients."""
@@ -136,29 +115,17 @@ def sharded_group_gradients(
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
-    *,
-    prompt_grad: str = "exact",
-    group: dist.ProcessGroup | None = None,
-    data_group: dist.ProcessGroup | None = None,
-    old_logprobs: Sequence[torch.Tensor] | None = None,
-    loss_masks: Sequence[torch.Tensor] | None = None,
-    num_items_in_batch: float | None = None,
-    num_sequences_in_batch: int | None = None,
-    ref_logprobs: Sequence[torch.Tensor] | None = None,
-    importance_weights: Sequence[torch.Tensor] | None = None,
+    **options,
 ) -> tuple[GradBuffer, list[torch.Tensor]]:
     """(the reduced fp32 gradient — the same on every rank —, per-branch log-probs [G][R_i]).
 
-    Call on every rank of `group` with the same arguments. Mirrors
-    `longstraw.engine.group.accumulate_group_gradients` (same checks, loss weights and order).
-    `.grad` of the parameters is left untouched.
+    Call on every rank of `group` with the same arguments; `options` are those of
+    `sharded_group_replay`. Mirrors `longstraw.engine.group.accumulate_group_gradients` (same
+    checks, loss weights and order). `.grad` of the parameters is left untouched.
     """
     reduced, record = sharded_group_replay(
-        model, state, responses, advantages, loss_config, prompt_grad=prompt_grad, group=group,
-        data_group=data_group, old_logprobs=old_logprobs, loss_masks=loss_masks,
-        num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
-        ref_logprobs=ref_logprobs, importance_weights=importance_weights,
-    )  # fmt: skip
+        model, state, responses, advantages, loss_config, **options
+    )
     return reduced, record.logprobs
 
 
@@ -180,9 +147,12 @@ def sharded_group_replay(
     importance_weights: Sequence[torch.Tensor] | None = None,
 ) -> tuple[GradBuffer, ReplayRecord]:
     """`sharded_group_gradients` with the replay's log-probs, losses and loss statistics."""
-    inputs = _branch_inputs(
-        model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
-        num_items_in_batch, num_sequences_in_batch, ref_logprobs, importance_weights,
+    # The single-process path's front door: the same checks and the same loss weights.
+    inputs = group_inputs(
+        model, responses, advantages, loss_config, prompt_grad=prompt_grad,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_masks=loss_masks,
+        num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
+        importance_weights=importance_weights,
     )  # fmt: skip
     params = trainable_parameters(model)
     branch_grads, sweep_grads = GradBuffer(model), GradBuffer(model)
@@ -230,9 +200,10 @@ def sharded_group_gradient_slices(
     them (no traffic), sweep gradients are scattered from the shard's owner per parameter.
     Not reduced over data. `.grad` of the parameters is left untouched.
     """
-    inputs = _branch_inputs(
-        model, responses, advantages, loss_config, prompt_grad, old_logprobs, loss_masks,
-        num_items_in_batch, num_sequences_in_batch,
+    inputs = group_inputs(
+        model, responses, advantages, loss_config, prompt_grad=prompt_grad,
+        old_logprobs=old_logprobs, loss_masks=loss_masks, num_items_in_batch=num_items_in_batch,
+        num_sequences_in_batch=num_sequences_in_batch,
     )  # fmt: skip
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
     params = trainable_parameters(model)
