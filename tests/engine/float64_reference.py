@@ -15,11 +15,11 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import torch
+from dsa_reference import transformers_stable_topk
 from engine_helpers import reference_group_gradient
 from float64 import float64_computation, relative_errors
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
-from longstraw.ops.dsa_topk import stable_topk_indices
 from longstraw.schemas.grpo import GRPOConfig
 
 REL_FLOOR = 1e-4
@@ -33,25 +33,6 @@ def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(model64, "_can_set_experts_implementation", lambda: False)():
         model64.set_experts_implementation("eager")
     return model64
-
-
-@contextlib.contextmanager
-def transformers_stable_topk() -> Iterator[None]:
-    """GLM-5 reference only: transformers' DSA indexer (`index_scores.topk(k, dim=-1)`) held to
-    the stable tie rule LongStraw implements (tests/models/test_glm_engine.py explains why)."""
-    original = torch.Tensor.topk
-
-    def stable(self, k, dim=-1, largest=True, sorted=True):
-        if dim not in (-1, self.dim() - 1) or not largest:
-            return original(self, k, dim=dim, largest=largest, sorted=sorted)
-        indices = stable_topk_indices(self, k)
-        return torch.return_types.topk((self.gather(-1, indices), indices))
-
-    torch.Tensor.topk = stable
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original
 
 
 @contextlib.contextmanager

@@ -10,40 +10,21 @@ continuous sigmoid scores do not tie). The dense regime (index_topk >= length) n
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
+from dsa_reference import transformers_stable_topk
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, branch_logprobs
 from longstraw.engine.sweep import StateMismatchError, sweep_prompt_shards
 from longstraw.grpo.losses import branch_loss, sequence_weights
-from longstraw.ops.dsa_topk import stable_topk_indices
 from longstraw.schemas.grpo import GRPOConfig
 
 FAMILY = "glm_moe_dsa"
 SEED = 42
-
-
-@contextlib.contextmanager
-def transformers_stable_topk():
-    """Hold transformers' DSA indexer (`index_scores.topk(k, dim=-1)`) to the stable tie rule."""
-    original = torch.Tensor.topk
-
-    def stable(self, k, dim=-1, largest=True, sorted=True):
-        if dim not in (-1, self.dim() - 1) or not largest:
-            return original(self, k, dim=dim, largest=largest, sorted=sorted)
-        indices = stable_topk_indices(self, k)
-        return torch.return_types.topk((self.gather(-1, indices), indices))
-
-    torch.Tensor.topk = stable
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original
 
 
 def _set_index_topk(model, topk: int):
