@@ -180,6 +180,23 @@ def sharded_group_gradient_slices(
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
+    **options,
+) -> tuple[GradSlices, list[torch.Tensor]]:
+    """`sharded_group_gradients` with sequence-sharded accumulators: (THIS rank's fp32 slices of
+    the group's gradient, per-branch log-probs [G][R_i]); `options` are those of
+    `sharded_group_slice_replay`."""
+    slices, record = sharded_group_slice_replay(
+        model, state, responses, advantages, loss_config, **options
+    )
+    return slices, record.logprobs
+
+
+def sharded_group_slice_replay(
+    model: PreTrainedModel,
+    state: ShardedPrefixState,
+    responses: Sequence[torch.Tensor],
+    advantages: torch.Tensor | Sequence[float],
+    loss_config: GRPOConfig,
     *,
     prompt_grad: str = "exact",
     group: dist.ProcessGroup | None = None,
@@ -188,9 +205,10 @@ def sharded_group_gradient_slices(
     loss_masks: Sequence[torch.Tensor] | None = None,
     num_items_in_batch: float | None = None,
     num_sequences_in_batch: int | None = None,
-) -> tuple[GradSlices, list[torch.Tensor]]:
-    """`sharded_group_gradients` with sequence-sharded accumulators: (THIS rank's fp32 slices of
-    the group's gradient, per-branch log-probs [G][R_i]).
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    importance_weights: Sequence[torch.Tensor] | None = None,
+) -> tuple[GradSlices, ReplayRecord]:
+    """This rank's fp32 slices of the group's gradient and the replay's record.
 
     The slices of the ranks of `group` partition every parameter's dim-0 rows
     (`gradient_slices.SliceLayout`; `data_size` = the data replicas they will be averaged over,
@@ -198,12 +216,15 @@ def sharded_group_gradient_slices(
     `fsdp.set_sharded_gradients`). Each rank holds one accumulator of about 1/N_s of the fp32
     gradient instead of two dense ones; branch gradients are sliced where autograd accumulates
     them (no traffic), sweep gradients are scattered from the shard's owner per parameter.
-    Not reduced over data. `.grad` of the parameters is left untouched.
+    Not reduced over data. `.grad` of the parameters is left untouched. The same front door as
+    `sharded_group_replay` (`group_inputs`: checks, loss weights, ref log-probs, importance
+    weights, loss masks).
     """
     inputs = group_inputs(
         model, responses, advantages, loss_config, prompt_grad=prompt_grad,
-        old_logprobs=old_logprobs, loss_masks=loss_masks, num_items_in_batch=num_items_in_batch,
-        num_sequences_in_batch=num_sequences_in_batch,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_masks=loss_masks,
+        num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
+        importance_weights=importance_weights,
     )  # fmt: skip
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
     params = trainable_parameters(model)
@@ -221,4 +242,4 @@ def sharded_group_gradient_slices(
                     group=group,
                     on_gradient_slices=receive_gradient_slices(params, slices, group=group),
                 )
-    return slices, record.logprobs
+    return slices, record

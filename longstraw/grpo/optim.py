@@ -4,6 +4,11 @@ Gradients arrive as an fp32 `GradBuffer` (the sum of the step's group contributi
 model keeps fp32 master copies inside this class: AdamW updates on bf16 weights lose most small
 steps to rounding. For an fp32 model the parameters are their own masters (no copy).
 
+With the weights sharded at rest over ranks (FSDP2, `PolicyOptimizer.over_local_shards`) each
+rank steps only its rows: the tensors it updates are the local shards of the parameters, its
+gradients the matching rows, its AdamW state and masters 1/N of the whole, and the clipping norm
+is summed over the ranks first (AdamW itself is elementwise, so the rows step independently).
+
 The learning rate rises linearly over `warmup_steps` (TRL/transformers semantics: an int of
 steps, or a fraction in [0, 1) of the run's steps) and then stays constant — RL post-training
 runs are open-ended, so no decay schedule is assumed.
@@ -12,6 +17,7 @@ runs are open-ended, so no decay schedule is assumed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,16 +49,38 @@ class PolicyOptimizer:
 
     def __init__(self, model: PreTrainedModel, cfg: GRPOConfig, *, num_steps: int):
         self.model = model
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._setup(named, cfg, num_steps=num_steps, sum_over_ranks=None)
+
+    @classmethod
+    def over_local_shards(
+        cls,
+        named: list[tuple[str, torch.Tensor]],
+        cfg: GRPOConfig,
+        *,
+        num_steps: int,
+        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+    ) -> PolicyOptimizer:
+        """An optimizer over this rank's shards of the parameters (`named`: [(name, local
+        tensor)], each a view that writes through to the sharded parameter's storage);
+        `sum_over_ranks` sums a float64 scalar tensor over the ranks (the clipping norm)."""
+        self = cls.__new__(cls)
+        self.model = None
+        self._setup(named, cfg, num_steps=num_steps, sum_over_ranks=sum_over_ranks)
+        return self
+
+    def _setup(self, named, cfg: GRPOConfig, *, num_steps: int, sum_over_ranks) -> None:
         self.cfg = cfg
         self.num_steps = num_steps
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        params = dict(model.named_parameters())
-        self.params = [params[name] for name in self.names]
+        self.sum_over_ranks = sum_over_ranks
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         # fp32 models train their own parameters; anything else trains fp32 masters.
         self.masters = [
             p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
             for p in self.params
         ]
+        # Decay by the parameter's rank, not its shard's: a shard of a matrix is still a matrix.
         decay = [m for m, p in zip(self.masters, self.params, strict=True) if p.dim() >= 2]
         no_decay = [m for m, p in zip(self.masters, self.params, strict=True) if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -67,11 +95,20 @@ class PolicyOptimizer:
         )
         self.step_count = 0
 
+    def _grad_norm(self, tensors: list[torch.Tensor]) -> float:
+        if self.sum_over_ranks is None:
+            norms = [torch.linalg.vector_norm(g) for g in tensors]
+            return float(torch.linalg.vector_norm(torch.stack(norms)))
+        squares = sum(
+            (torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in tensors),
+            torch.zeros((), dtype=torch.float64),
+        )
+        return float(self.sum_over_ranks(squares.cpu()).sqrt())
+
     def apply(self, grads: GradBuffer) -> UpdateStats:
         """One optimizer step from `grads`; clips, warms up, copies masters back to the model."""
         tensors = [grads.grads[name] for name in self.names]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in tensors]))
-        norm_value = float(norm)
+        norm_value = self._grad_norm(tensors)
         if not math.isfinite(norm_value):
             raise FloatingPointError(
                 f"gradient norm is {norm_value} at optimizer step {self.step_count}: refusing to "

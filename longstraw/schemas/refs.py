@@ -31,9 +31,19 @@ class TensorSpec(_Ref):
     dtype: str
 
 
+class GradPart(_Ref):
+    """One rank's rows of a gradient whose weights are sharded over ranks."""
+
+    uri: str
+    digest: str
+
+
 class GradRef(_Ref):
     """A gradient contribution: fp32 tensors by parameter name in a safetensors file (`uri`,
-    file://); the process that wrote it also holds the tensors, so it reads nothing back."""
+    file://); the process that wrote it also holds the tensors, so it reads nothing back.
+
+    With the policy sharded over N ranks (`parts` non-empty) each rank stores only its dim-0
+    rows of every tensor: `parts[r]` is rank r's file, and `uri`/`digest` are rank 0's."""
 
     uri: str
     digest: str
@@ -44,6 +54,8 @@ class GradRef(_Ref):
     specs: tuple[TensorSpec, ...] = ()
     num_tokens: int = Field(default=0, ge=0)
     """Completion tokens the contribution covers."""
+    parts: tuple[GradPart, ...] = ()
+    """Each rank's rows, in rank order, when the weights are sharded (else empty)."""
 
 
 class PromptRef(_Ref):

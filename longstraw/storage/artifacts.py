@@ -159,24 +159,46 @@ def write_grads(
     )
 
 
-def read_grads(ref: GradRef, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """The gradient behind `ref`: this process's cached tensors, else the file (checked)."""
+def rank_path(path: Path, rank: int, world_size: int) -> Path:
+    """Rank `rank`'s file of a gradient sharded over `world_size` ranks."""
+    return path.with_name(f"{path.stem}.rank{rank}-of-{world_size}{path.suffix}")
+
+
+def read_grads(
+    ref: GradRef, device: torch.device | str = "cpu", *, rank: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The gradient behind `ref` — with `rank`, that rank's rows of a sharded one —: this
+    process's cached tensors, else the file (checked against its digest)."""
+    uri, digest = ref.uri, ref.digest
+    if ref.parts:
+        if rank is None or not 0 <= rank < len(ref.parts):
+            raise ValueError(
+                f"gradient {ref.uri} is sharded over {len(ref.parts)} ranks; this process is "
+                f"rank {rank}: rerun the step's backward with the same parallel.world_size"
+            )
+        uri, digest = ref.parts[rank].uri, ref.parts[rank].digest
     with _lock:
-        cached = _grad_cache.get(ref.uri)
+        cached = _grad_cache.get(uri)
     if cached is not None:
         return cached
-    path = _path(ref.uri)
+    path = _path(uri)
     if not path.exists():
         raise ArtifactMissingError(
             f"gradient {path} does not exist: the backward stage that writes it did not finish; "
             "rerun the step's backward"
         )
     grads = {name: t.to(device) for name, t in load_file(str(path)).items()}
-    if grads_digest(grads) != ref.digest:
+    if grads_digest(grads) != digest:
         raise ArtifactMissingError(f"gradient {path} does not match its ref's digest")
     with _lock:
-        _grad_cache[ref.uri] = grads
+        _grad_cache[uri] = grads
     return grads
+
+
+def forget_grads(ref: GradRef) -> None:
+    """Drop a gradient (every rank's part) from this process's cache (the files stay)."""
+    for uri in [ref.uri, *(part.uri for part in ref.parts)]:
+        forget(uri)
 
 
 def forget(uri: str) -> None:

@@ -2,8 +2,13 @@
 
 Layout: `{root}/runs/{run_id}/checkpoints/v{policy_version:06d}/` holding what `from_pretrained`
 loads (config.json, model.safetensors, tokenizer files), `longstraw.json` (weights digest and
-policy version, hashed once here), `optimizer.safetensors` and
-`trainer_state.json`. A checkpoint is written into a temporary sibling and renamed into place:
+policy version, hashed once here), the optimizer state and `trainer_state.json`.
+
+The optimizer state is `optimizer.safetensors` when one process trained, or one
+`optimizer-rank{r}-of-{N}.safetensors` per rank when the weights were sharded at rest over N
+ranks: each holds rank r's dim-0 rows (`torch.chunk` layout) of every row tensor (moments and
+fp32 masters) and the same scalars (steps). `load_optimizer_rows` reads any row range from
+either form, so a run resumes on any number of ranks. A checkpoint is written into a temporary sibling and renamed into place:
 the rename is the commit, so a crash mid-write leaves no readable half checkpoint, and a retried
 write of the same version keeps the first complete one.
 
@@ -13,14 +18,18 @@ Checkpoints live on the local filesystem (the storage root when it is local, els
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from longstraw.models.checkpoint import write_checkpoint_metadata
 from longstraw.schemas.refs import CheckpointRef
@@ -28,6 +37,9 @@ from longstraw.schemas.storage import StorageConfig
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+_OPTIMIZER_PART = re.compile(r"optimizer-rank(\d+)-of-(\d+)\.safetensors")
+# Keys of the optimizer state that are the same on every rank (not split into rows).
+_SCALAR_PREFIXES = ("step/", "meta/")
 
 
 def local_root(storage: StorageConfig) -> Path:
@@ -46,27 +58,44 @@ def checkpoints_dir(storage: StorageConfig, run_id: str) -> Path:
     return run_dir(storage, run_id) / "checkpoints"
 
 
-def save_training_checkpoint(
-    storage: StorageConfig,
-    run_id: str,
+def checkpoint_path(storage: StorageConfig, run_id: str, policy_version: int) -> Path:
+    """Where checkpoint `policy_version` of `run_id` is committed."""
+    return checkpoints_dir(storage, run_id) / f"v{policy_version:06d}"
+
+
+def new_checkpoint_dir(final: Path) -> Path:
+    """A fresh temporary sibling of `final` to write a checkpoint into."""
+    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def optimizer_part_name(rank: int, world_size: int) -> str:
+    return f"optimizer-rank{rank}-of-{world_size}.safetensors"
+
+
+def save_optimizer_part(tmp: Path, tensors: dict[str, torch.Tensor], rank: int, world: int):
+    """Rank `rank`'s optimizer rows into the checkpoint being written (`world` ranks)."""
+    name = OPTIMIZER_FILE if world == 1 else optimizer_part_name(rank, world)
+    save_file(tensors, str(tmp / name))
+
+
+def commit_checkpoint(
+    tmp: Path,
+    final: Path,
     *,
     policy_version: int,
     model,
     tokenizer,
-    optimizer_tensors: dict[str, torch.Tensor],
     trainer_state: dict,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> CheckpointRef:
-    """Write and commit checkpoint `policy_version` of `run_id`; returns its ref."""
-    final = checkpoints_dir(storage, run_id) / f"v{policy_version:06d}"
-    if final.exists():
-        # A retried task: the first complete write stands.
-        return checkpoint_ref(final)
-    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
+    """Write the model, tokenizer and trainer state into `tmp` (its optimizer files are there
+    already) and rename it to `final`: the rename is the commit. `state_dict`: the full weights
+    when `model`'s own parameters are sharded."""
     try:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         tokenizer.save_pretrained(str(tmp))
-        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         write_checkpoint_metadata(tmp, policy_version=policy_version)
         os.rename(tmp, final)
@@ -77,6 +106,37 @@ def save_training_checkpoint(
         if not final.exists():
             raise
     return checkpoint_ref(final)
+
+
+def save_training_checkpoint(
+    storage: StorageConfig,
+    run_id: str,
+    *,
+    policy_version: int,
+    model,
+    tokenizer,
+    optimizer_tensors: dict[str, torch.Tensor],
+    trainer_state: dict,
+) -> CheckpointRef:
+    """Write and commit checkpoint `policy_version` of `run_id` (one process); returns its ref."""
+    final = checkpoint_path(storage, run_id, policy_version)
+    if final.exists():
+        # A retried task: the first complete write stands.
+        return checkpoint_ref(final)
+    tmp = new_checkpoint_dir(final)
+    try:
+        save_optimizer_part(tmp, optimizer_tensors, 0, 1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_checkpoint(
+        tmp,
+        final,
+        policy_version=policy_version,
+        model=model,
+        tokenizer=tokenizer,
+        trainer_state=trainer_state,
+    )
 
 
 def checkpoint_ref(path: Path) -> CheckpointRef:
@@ -102,8 +162,59 @@ def latest_checkpoint(storage: StorageConfig, run_id: str) -> Path | None:
 
 
 def load_training_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(optimizer tensors, trainer state) of a committed checkpoint."""
-    return (
-        load_file(str(path / OPTIMIZER_FILE)),
-        json.loads((path / TRAINER_STATE).read_text()),
-    )
+    """(optimizer tensors, trainer state) of a committed checkpoint, whole."""
+    return load_optimizer_rows(path), json.loads((path / TRAINER_STATE).read_text())
+
+
+def optimizer_parts(path: Path) -> list[Path]:
+    """The checkpoint's optimizer files in rank order (one when one process trained)."""
+    if (path / OPTIMIZER_FILE).exists():
+        return [path / OPTIMIZER_FILE]
+    found = {}
+    for file in path.glob("optimizer-rank*-of-*.safetensors"):
+        match = _OPTIMIZER_PART.fullmatch(file.name)
+        if match:
+            found[int(match[1])] = (int(match[2]), file)
+    worlds = {world for world, _ in found.values()}
+    if len(worlds) != 1 or sorted(found) != list(range(next(iter(worlds)))):
+        raise FileNotFoundError(
+            f"checkpoint {path} has no complete optimizer state (found {sorted(p.name for _, p in found.values())}); "
+            "resume from an earlier checkpoint"
+        )
+    return [found[r][1] for r in sorted(found)]
+
+
+def load_optimizer_rows(
+    path: Path, rows: Callable[[str, int], tuple[int, int]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The optimizer tensors of a committed checkpoint, each row tensor cut to `rows(key,
+    dim0)` = (start, end) of its dim 0 (default: all rows), read from whichever rank files hold
+    them (only those rows are read)."""
+    with contextlib.ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(str(p), framework="pt")) for p in optimizer_parts(path)
+        ]
+        return _optimizer_rows(handles, rows)
+
+
+def _optimizer_rows(handles, rows) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key in handles[0].keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+        if key.startswith(_SCALAR_PREFIXES):
+            out[key] = handles[0].get_tensor(key)
+            continue
+        sizes = [h.get_slice(key).get_shape()[0] for h in handles]
+        dim0 = sum(sizes)
+        start, end = (0, dim0) if rows is None else rows(key, dim0)
+        pieces, offset = [], 0
+        for handle, size in zip(handles, sizes, strict=True):
+            lo, hi = max(start, offset), min(end, offset + size)
+            if hi > lo:
+                pieces.append(handle.get_slice(key)[lo - offset : hi - offset])
+            offset += size
+        if not pieces:
+            # No rows here (a parameter with fewer rows than ranks): an empty tensor of the
+            # right dtype and trailing shape.
+            pieces = [handles[0].get_slice(key)[0:0]]
+        out[key] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out

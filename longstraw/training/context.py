@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.distributed.stage_group import active_group
 from longstraw.engine.group import GradBuffer
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
@@ -21,7 +22,7 @@ from longstraw.storage.checkpoints import (
     TRAINER_STATE,
     checkpoint_ref,
     latest_checkpoint,
-    load_training_state,
+    load_optimizer_rows,
     local_root,
     run_dir,
 )
@@ -48,6 +49,9 @@ class RunContext:
     """Rollout steps completed."""
     policy_version: int = 0
     """Optimizer updates applied so far."""
+    weights: object | None = None
+    """`distributed.sharded_policy.ShardedWeights` when the policy is sharded at rest over the
+    run's ranks (`parallel.world_size > 1`), else None (one process holds it whole)."""
     reference_model: PreTrainedModel | None = None
     reference_digest: str | None = None
     reference_states: dict[str, object] = field(default_factory=dict)
@@ -67,6 +71,18 @@ class RunContext:
         return hashlib.sha256(
             f"{self.checkpoint.weights_digest}:{self.policy_version}".encode()
         ).hexdigest()
+
+    def gather_weights(self) -> PreTrainedModel:
+        """The model, ready to compute: a sharded policy's parameters are all-gathered
+        (collective; a no-op when they are, or when one process holds the policy)."""
+        if self.weights is not None:
+            self.weights.gather()
+        return self.model
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank when the policy is sharded over ranks, else None."""
+        return None if self.weights is None else self.weights.layout.seq_rank
 
     @property
     def run_path(self) -> Path:
@@ -161,12 +177,26 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     model.train(False)
     for p in model.parameters():
         p.requires_grad_(True)
-    optimizer = PolicyOptimizer(
-        model, config.grpo, num_steps=config.train.num_steps * config.grpo.num_iterations
-    )
+    num_steps = config.train.num_steps * config.grpo.num_iterations
+    weights, rows = None, None
+    if active_group() is None:
+        optimizer = PolicyOptimizer(model, config.grpo, num_steps=num_steps)
+    else:
+        from longstraw.distributed.sharded_policy import local_shards, shard_policy
+
+        weights = shard_policy(model)
+        optimizer = PolicyOptimizer.over_local_shards(
+            local_shards(model),
+            config.grpo,
+            num_steps=num_steps,
+            sum_over_ranks=weights.sum_over_ranks,
+        )
+
+        def rows(key: str, dim0: int) -> tuple[int, int]:
+            return weights.rows(dim0)
+
     if not policy.checkpoint_is_run_start:
-        optimizer_tensors, _ = load_training_state(path)
-        optimizer.load_state_tensors(optimizer_tensors)
+        optimizer.load_state_tensors(load_optimizer_rows(path, rows))
     ctx = RunContext(
         config=config,
         model=model,
@@ -177,9 +207,10 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         checkpoint_is_run_start=policy.checkpoint_is_run_start,
         step=policy.step,
         policy_version=meta.policy_version,
+        weights=weights,
     )
     for update in policy.updates:
-        grads = GradBuffer.from_tensors(read_grads(update, model_device(config)))
+        grads = GradBuffer.from_tensors(read_grads(update, model_device(config), rank=ctx.rank))
         ctx.optimizer.apply(grads)
         ctx.policy_version += 1
         ctx.updates.append(update)

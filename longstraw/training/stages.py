@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
 from longstraw.schemas.refs import (
     BackwardResult,
+    GradPart,
     GradRef,
     PolicyRef,
     PrefillReport,
@@ -45,7 +47,14 @@ from longstraw.schemas.refs import (
 from longstraw.schemas.results import AdvantagePlan, GroupStats, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage import artifacts
-from longstraw.storage.checkpoints import save_training_checkpoint
+from longstraw.storage.checkpoints import (
+    checkpoint_path,
+    checkpoint_ref,
+    commit_checkpoint,
+    new_checkpoint_dir,
+    save_optimizer_part,
+    save_training_checkpoint,
+)
 from longstraw.training import held
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
@@ -57,8 +66,10 @@ def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
     return start_policy(config, resume=resume)
 
 
+@on_all_ranks
 def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
-    """The prompts of step `policy.step`, at the policy's version."""
+    """The prompts of step `policy.step`, at the policy's version (on every rank: the first
+    stage of a step, where a rank that holds no policy yet rebuilds and shards it)."""
     ctx = held.policy(config, policy)
     first = policy.step * config.train.groups_per_step
     prompts = []
@@ -113,6 +124,7 @@ def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> P
     started = time.perf_counter()
     ctx = held.policy(config, policy)
     example = held.check_prompt(ctx, prompt)
+    ctx.gather_weights()
     if active_group() is None:
         _, outcome = held.session(ctx, example).finish()
         computed, reused, ref = outcome.shards_computed, outcome.shards_reused, outcome.ref
@@ -176,6 +188,7 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     responses) and score their rewards."""
     ctx = held.policy(config, policy)
     example = held.check_prompt(ctx, prompt)
+    ctx.gather_weights()
     state = held.prompt_state(ctx, example)
     started = time.perf_counter()
     imported = getattr(ctx.source, "imported", None)
@@ -252,6 +265,7 @@ def score_group(
     started = time.perf_counter()
     ctx = held.policy(config, policy)
     example = held.check_prompt(ctx, rollout.prompt)
+    ctx.gather_weights()
     responses = rollout_record(rollout).response_ids
     if which == "reference":
         if ctx.reference_model is None:
@@ -319,6 +333,7 @@ def backward_group(
     example = held.check_prompt(ctx, prompt)
     record = rollout_record(rollout)
     started = time.perf_counter()
+    ctx.gather_weights()
     state = held.prompt_state(ctx, example)
     prefill_seconds = time.perf_counter() - started
     kwargs = dict(
@@ -355,24 +370,36 @@ def backward_group(
         / "grads"
         / f"g{rollout.prompt.index}-i{iteration}.safetensors"
     )
-    grad = artifacts.write_grads(
-        path,
-        grads.grads,
-        policy_version=policy.policy_version,
-        num_tokens=sum(stats.num_tokens),
-        write=is_writer(),
-    )
+    grad = _store_grads(ctx, path, grads.grads, policy.policy_version, sum(stats.num_tokens))
     return BackwardResult(grad=grad, stats=stats)
 
 
+def _store_grads(ctx, path, grads: dict[str, torch.Tensor], version: int, tokens: int) -> GradRef:
+    """Store a gradient: whole, by rank 0 (one process, or replicated on the ranks); or, when
+    the policy is sharded, each rank its own rows (`GradRef.parts`)."""
+    if ctx.weights is None:
+        return artifacts.write_grads(
+            path, grads, policy_version=version, num_tokens=tokens, write=is_writer()
+        )
+    world = ctx.config.parallel.world_size
+    mine = artifacts.write_grads(
+        artifacts.rank_path(path, ctx.rank, world), grads, policy_version=version, num_tokens=tokens
+    )
+    parts: list = [None] * world
+    dist.all_gather_object(
+        parts, GradPart(uri=mine.uri, digest=mine.digest), group=active_group().control
+    )
+    return mine.model_copy(update={"parts": tuple(parts)})
+
+
 def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffer, GroupStats]:
-    """Every rank's share of the group's gradient, reduced (the same on every rank)."""
-    from longstraw.distributed.sharded_group import sharded_group_replay
+    """This rank's rows of the group's gradient (the rows of its shard of the policy)."""
+    from longstraw.distributed.sharded_group import sharded_group_slice_replay
     from longstraw.engine.group import group_stats, peak_rss_bytes
 
     config = ctx.config
     started = time.perf_counter()
-    grads, replay = sharded_group_replay(
+    slices, replay = sharded_group_slice_replay(
         ctx.model,
         state,
         [torch.tensor(r) for r in record.response_ids],
@@ -381,6 +408,7 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         prompt_grad=config.engine.prompt_grad,
         **kwargs,
     )
+    grads = GradBuffer.from_tensors(slices.grads)
     seconds = time.perf_counter() - started
     masks = kwargs["loss_masks"]
     # Peak RSS of the busiest rank: the figure a per-node memory limit must cover.
@@ -417,23 +445,19 @@ def reduce_gradients(
     ctx = held.policy(config, policy)
     device = ctx.model.device
     total = GradBuffer.from_tensors(
-        {n: t.clone() for n, t in artifacts.read_grads(grads[0], device).items()}
+        {n: t.clone() for n, t in artifacts.read_grads(grads[0], device, rank=ctx.rank).items()}
     )
     for other in grads[1:]:
-        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device)))
+        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device, rank=ctx.rank)))
     for g in grads:
-        artifacts.forget(g.uri)
+        artifacts.forget_grads(g)
     path = (
         artifacts.step_dir(config.storage, config.run_id, policy.step)
         / "grads"
         / f"reduced-i{iteration}.safetensors"
     )
-    return artifacts.write_grads(
-        path,
-        total.grads,
-        policy_version=policy.policy_version,
-        num_tokens=sum(g.num_tokens for g in grads),
-        write=is_writer(),
+    return _store_grads(
+        ctx, path, total.grads, policy.policy_version, sum(g.num_tokens for g in grads)
     )
 
 
@@ -447,8 +471,11 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
         )
     started = time.perf_counter()
     ctx = held.policy(config, policy)
+    if ctx.weights is not None:
+        # The optimizer steps the shards in place; the next stage that computes gathers them.
+        ctx.weights.to_rest()
     update = ctx.optimizer.apply(
-        GradBuffer.from_tensors(artifacts.read_grads(grads, ctx.model.device))
+        GradBuffer.from_tensors(artifacts.read_grads(grads, ctx.model.device, rank=ctx.rank))
     )
     ctx.policy_version += 1
     ctx.updates.append(grads)
@@ -468,7 +495,15 @@ def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
     """Commit a Hugging Face checkpoint of the policy with its optimizer state; the returned ref
     starts from it (and the gradient files it covers are removed)."""
     ctx = held.policy(config, policy)
-    if is_writer():
+    trainer_state = {
+        "step": policy.step,
+        "policy_version": ctx.policy_version,
+        "run_id": config.run_id,
+        "config": config.model_dump(mode="json"),
+    }
+    if ctx.weights is not None:
+        ref = _write_sharded_checkpoint(ctx, trainer_state)
+    elif is_writer():
         ref = save_training_checkpoint(
             config.storage,
             config.run_id,
@@ -476,16 +511,12 @@ def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
             model=ctx.model,
             tokenizer=ctx.tokenizer,
             optimizer_tensors=ctx.optimizer.state_tensors(),
-            trainer_state={
-                "step": policy.step,
-                "policy_version": ctx.policy_version,
-                "run_id": config.run_id,
-                "config": config.model_dump(mode="json"),
-            },
+            trainer_state=trainer_state,
         )
-        artifacts.remove_step_gradients(config.storage, config.run_id, before_step=policy.step)
     else:
         ref = None
+    if is_writer():
+        artifacts.remove_step_gradients(config.storage, config.run_id, before_step=policy.step)
     group = active_group()
     if group is not None:
         shared = [ref]
@@ -493,6 +524,38 @@ def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
         ref = shared[0]
     ctx.checkpoint, ctx.checkpoint_is_run_start, ctx.updates = ref, False, []
     return ctx.policy_ref()
+
+
+def _write_sharded_checkpoint(ctx, trainer_state: dict):
+    """A checkpoint of a policy sharded over the ranks: each rank writes its optimizer rows
+    into the temporary directory rank 0 made, rank 0 the gathered weights, then commits (the
+    ranks share the checkpoint directory's filesystem). Rank 0's ref; None on the others."""
+    from longstraw.distributed.sharded_policy import full_state_dict
+
+    config, control = ctx.config, active_group().control
+    final = checkpoint_path(config.storage, config.run_id, ctx.policy_version)
+    chosen = [None]
+    if is_writer():
+        # A retried stage: the first complete write stands.
+        chosen = [None if final.exists() else str(new_checkpoint_dir(final))]
+    dist.broadcast_object_list(chosen, src=0, group=control)
+    if chosen[0] is None:
+        return checkpoint_ref(final) if is_writer() else None
+    tmp = Path(chosen[0])
+    save_optimizer_part(tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size)
+    weights = full_state_dict(ctx.model, ctx.weights, copy=is_writer())
+    dist.barrier(group=control)
+    if not is_writer():
+        return None
+    return commit_checkpoint(
+        tmp,
+        final,
+        policy_version=ctx.policy_version,
+        model=ctx.model,
+        tokenizer=ctx.tokenizer,
+        trainer_state=trainer_state,
+        state_dict=weights,
+    )
 
 
 def is_checkpoint_step(config: RunConfig, steps_done: int) -> bool:

@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from longstraw.distributed.launch import free_port
-from longstraw.storage.checkpoints import latest_checkpoint
+from longstraw.storage.checkpoints import latest_checkpoint, load_optimizer_rows
 from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
 from tests.training.helpers import run_config
@@ -89,6 +89,24 @@ def _train(config_path: Path, cwd: Path, env: dict, *extra: str) -> subprocess.P
     )
 
 
+def _assert_sharded_optimizer_state(checkpoint: Path, reference: Path) -> None:
+    """`checkpoint`'s optimizer state is split by rows over two rank files (each rank held and
+    wrote only its shard), and reassembled it is the single-process state."""
+    parts = [load_file(str(checkpoint / f"optimizer-rank{r}-of-2.safetensors")) for r in (0, 1)]
+    assert not (checkpoint / "optimizer.safetensors").exists()
+    whole = load_optimizer_rows(checkpoint)
+    single = load_file(str(reference / "optimizer.safetensors"))
+    assert whole.keys() == single.keys() == parts[0].keys()
+    moments = [key for key in single if key.startswith("exp_avg_sq/")]
+    assert moments, "no AdamW second moments: nothing to compare"
+    for key in moments:
+        dim0 = single[key].shape[0]
+        first = min(-(-dim0 // 2), dim0)  # torch.chunk's layout, FSDP2's shards
+        assert [part[key].shape[0] for part in parts] == [first, dim0 - first], key
+        relative = float((whole[key] - single[key]).norm() / single[key].norm())
+        assert relative <= UPDATE_TOLERANCE, f"{key}: second moments differ by {relative:.3e}"
+
+
 def _assert_same_checkpoint(a: Path, b: Path, start: Path) -> None:
     """`a` and `b` hold the same weights per tensor, and moved the same way from `start`."""
     left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
@@ -142,6 +160,7 @@ def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
     checkpoint = latest_checkpoint(config.storage, config.run_id)
     assert checkpoint.name == reference_checkpoint.name == f"v{NUM_STEPS:06d}"
     _assert_same_checkpoint(checkpoint, reference_checkpoint, checkpoint_dir("qwen3_5"))
+    _assert_sharded_optimizer_state(checkpoint, reference_checkpoint)
     history = read_metrics(root / "runs" / "ranks")
     assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
     for two, one in zip(history, reference_history, strict=True):
