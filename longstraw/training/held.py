@@ -7,7 +7,7 @@ manifests (prefill resumes after the last recorded shard). So a stage gives the 
 any process from the same refs.
 
 With `parallel.world_size > 1` each rank holds its own slice of every prompt state
-(`ShardedPrefixState`), and a replica of the policy.
+(`ShardedPrefixState`) and its shard of the policy (`distributed.sharded_policy`).
 """
 
 from __future__ import annotations
