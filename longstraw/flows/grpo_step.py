@@ -9,10 +9,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from longstraw.orchestration.stages import prefect_stages
 from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
-from longstraw.tasks.stages import prefect_stages
 from longstraw.training.step import run_step
 
 

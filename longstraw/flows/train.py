@@ -10,11 +10,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from longstraw.distributed.stage_group import start_stage_group
 from longstraw.errors import UserError
 from longstraw.flows.grpo_step import artifact_key, grpo_step
+from longstraw.orchestration.stages import open_run
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
-from longstraw.tasks.stages import open_run
 from longstraw.training.loop import after_step
 from longstraw.training.metrics import truncate_metrics
 from longstraw.training.preflight import preflight

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from longstraw.tasks.policies import retry_on_transient, serializable_cache_policy
+from longstraw.orchestration.policies import retry_on_transient, serializable_cache_policy
 from longstraw.training import stages
 from longstraw.training.step import Stages
 
