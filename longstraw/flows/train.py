@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -66,7 +67,19 @@ def refuse_restart(config: RunConfig, resume: bool) -> None:
         )
 
 
-@flow(name="longstraw-train")
+def train_run_name() -> str:
+    """The flow run's name in the UI: the run id (`r1`, `r1 resumed`), or the config file's name
+    when the run id comes from the file."""
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    config = parameters.get("config") or {}
+    run_id = config.get("run_id") if isinstance(config, dict) else None
+    name = run_id or Path(parameters.get("config_file") or "longstraw-train").stem
+    return f"{name} resumed" if parameters.get("resume") else name
+
+
+@flow(name="longstraw-train", flow_run_name=train_run_name)
 def train(
     config: dict[str, Any] | None = None, resume: bool = False, config_file: str | None = None
 ) -> list[StepMetrics]:

@@ -65,6 +65,7 @@ def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == run_id
         subflows = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids(flow_run_id)[1:]))
         )
@@ -140,6 +141,10 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     third, flow_run_id = _train(config, resume=True)
     assert [m.step for m in third] == [1]
     assert (third[0].shards_computed, third[0].shards_reused) == (0, NUM_SHARDS)
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == "flow-resumed resumed"
     assert state_names(task_runs_of(flow_run_id), "prefill_shard") == ["Cached"] * NUM_SHARDS
     cached = [m for m in (log.message for log in logs_of(flow_run_id)) if "cache key" in m]
     assert len(cached) == NUM_SHARDS and all(m.startswith("Cached: ") for m in cached), cached
