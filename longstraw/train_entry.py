@@ -37,11 +37,24 @@ def configure_prefect_environment(project_dir: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "results"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    configure_prefect_logging(os.environ)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def configure_prefect_logging(environ) -> None:
+    """Flow and task run logs (the step lines, the engine's state changes) go to the Prefect API
+    at INFO, so the UI shows them; the console keeps Prefect to warnings, under rich's progress
+    bars, unless the user set PREFECT_LOGGING_LEVEL themselves."""
+    if "PREFECT_LOGGING_LEVEL" not in environ:
+        environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+        environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    # Without these the run loggers inherit the `prefect` logger's WARNING and drop every INFO
+    # line before it reaches the API handler ("This run didn't generate logs").
+    environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "INFO")
+    environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "INFO")
 
 
 def resolve_config(

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import (
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
 
+from longstraw.orchestration.names import rounded_rows, step_tags
+from longstraw.orchestration.stages import prefect_stages
 from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
-from longstraw.tasks.stages import prefect_stages
 from longstraw.training.step import run_step
 
 
-@flow(name="grpo_step", log_prints=False)
+# Flow runs are named by step (`step-0007`): the run's steps sort and read in order in the UI.
+@flow(name="grpo_step", flow_run_name="step-{policy.step:04d}", log_prints=False)
 def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetrics]:
     """Prefill → rollout → advantages → (reference / old log-probs) → backward → reduce → update
     → checkpoint; returns the new policy and the step's record."""
@@ -26,14 +28,17 @@ def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetr
     def on_prefill_shard(done: int, total: int) -> None:
         update_progress_artifact(progress, 100.0 * done / max(total, 1))
 
-    policy, metrics = run_step(config, policy, prefect_stages(on_prefill_shard))
+    with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
+        policy, metrics = run_step(config, policy, prefect_stages(on_prefill_shard))
     if config.parallel.world_size > 1:
         update_progress_artifact(progress, 100.0)
     row = metrics.model_dump(mode="json", exclude={"seconds"}) | {
-        f"seconds_{k}": round(v, 3) for k, v in metrics.seconds.items()
+        f"seconds_{k}": v for k, v in metrics.seconds.items()
     }
     create_table_artifact(
-        [row], key=f"{artifact_key(config.run_id)}-step", description=f"step {metrics.step}"
+        rounded_rows([row]),
+        key=f"{artifact_key(config.run_id)}-step",
+        description=f"step {metrics.step}",
     )
     logger.info(
         "step %d: reward %.3f ± %.3f, loss %.4f, grad norm %.3f, version %d",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -10,35 +11,41 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from longstraw.distributed.stage_group import start_stage_group
 from longstraw.errors import UserError
 from longstraw.flows.grpo_step import artifact_key, grpo_step
+from longstraw.orchestration.names import rounded_rows
+from longstraw.orchestration.stages import open_run
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
-from longstraw.tasks.stages import open_run
 from longstraw.training.loop import after_step
 from longstraw.training.metrics import truncate_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
 
+CURVE_COLUMNS = ("step", "policy_version", "reward_mean", "reward_std", "loss", "grad_norm")
+"""The reward and loss curves: one row per step, these columns."""
+
+
+def curve_rows(history: list[StepMetrics]) -> list[dict]:
+    """Reward and loss per step, floats to 4 significant digits (a table the UI shows as is)."""
+    return rounded_rows([m.model_dump(mode="json", include=set(CURVE_COLUMNS)) for m in history])
+
 
 def reward_curve_markdown(history: list[StepMetrics]) -> str:
-    """A markdown table and a text sparkline of mean reward per step."""
-    bars = "▁▂▃▄▅▆▇█"
-    values = [m.reward_mean for m in history]
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    spark = "".join(bars[int((v - low) / span * (len(bars) - 1))] for v in values)
+    """The reward and loss curves as a markdown table, 4 significant digits."""
     lines = [
-        "# Reward curve",
-        "",
-        f"`{spark}`  (min {low:.3f}, max {high:.3f})",
+        "# Reward and loss per step",
         "",
         "| step | version | reward mean | reward std | loss | grad norm |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {m.step} | {m.policy_version} | {m.reward_mean:.4f} | {m.reward_std:.4f} | {m.loss:.5f} | {m.grad_norm:.4f} |"
-        for m in history
+        "| "
+        + " | ".join(
+            f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in CURVE_COLUMNS
+        )
+        + " |"
+        for row in curve_rows(history)
     ]
     return "\n".join(lines)
 
@@ -60,7 +67,19 @@ def refuse_restart(config: RunConfig, resume: bool) -> None:
         )
 
 
-@flow(name="longstraw-train")
+def train_run_name() -> str:
+    """The flow run's name in the UI: the run id (`r1`, `r1 resumed`), or the config file's name
+    when the run id comes from the file."""
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    config = parameters.get("config") or {}
+    run_id = config.get("run_id") if isinstance(config, dict) else None
+    name = run_id or Path(parameters.get("config_file") or "longstraw-train").stem
+    return f"{name} resumed" if parameters.get("resume") else name
+
+
+@flow(name="longstraw-train", flow_run_name=train_run_name)
 def train(
     config: dict[str, Any] | None = None, resume: bool = False, config_file: str | None = None
 ) -> list[StepMetrics]:
@@ -93,9 +112,12 @@ def train(
     if history:
         key = artifact_key(config.run_id)
         create_table_artifact(
-            [m.model_dump(mode="json", exclude={"seconds"}) for m in history],
+            rounded_rows([m.model_dump(mode="json", exclude={"seconds"}) for m in history]),
             key=f"{key}-metrics",
-            description="per-step GRPO metrics",
+            description="per-step GRPO metrics (4 significant digits)",
+        )
+        create_table_artifact(
+            curve_rows(history), key=f"{key}-curves", description="reward and loss per step"
         )
         create_markdown_artifact(reward_curve_markdown(history), key=f"{key}-reward-curve")
     return history

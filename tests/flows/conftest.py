@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from longstraw.train_entry import configure_prefect_logging
+
 # One private Prefect home for the whole session (results, locks, the harness's settings); a
 # user's configured server (PREFECT_API_URL) must never receive test runs.
 PREFECT_TEST_HOME = Path(tempfile.mkdtemp(prefix="longstraw-prefect-"))
@@ -22,7 +24,9 @@ os.environ["PREFECT_HOME"] = str(PREFECT_TEST_HOME)
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(PREFECT_TEST_HOME / "results")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
-os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+# The console and API log levels `longstraw train` uses: its flows' INFO lines reach the API.
+os.environ.pop("PREFECT_LOGGING_LEVEL", None)
+configure_prefect_logging(os.environ)
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("PREFECT_PROFILES_PATH", None)
 

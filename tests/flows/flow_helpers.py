@@ -134,5 +134,19 @@ def artifacts_of(flow_run_id) -> list:
 
 
 def state_names(task_runs, task_name: str) -> list[str]:
-    """State names of the task runs of `task_name` (task run names are `<task>-<suffix>`)."""
-    return [r.state.name for r in task_runs if r.name.rsplit("-", 1)[0] == task_name]
+    """State names of the task runs of `task_name` (task keys are `<function>-<source hash>`;
+    run names are what the UI shows, e.g. `prefill s1/3 group 0 <digest>`)."""
+    return [r.state.name for r in task_runs if r.task_key.rsplit("-", 1)[0] == task_name]
+
+
+def logs_of(flow_run_id) -> list:
+    """Every log line sent to the API by the flow run and its subflows (and their tasks)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the handler sends in batches, from a background thread
+    with get_client(sync_client=True) as client:
+        return client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=flow_run_ids(flow_run_id)))
+        )

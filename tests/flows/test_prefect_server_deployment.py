@@ -95,6 +95,8 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout: float 
 
 
 def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, runs_root):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -139,6 +141,13 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, run
             )
             runs = task_runs_of(flow_run.id)
             artifacts = {a.key: a for a in artifacts_of(flow_run.id) if a.key}
+            with get_client(sync_client=True) as client:
+                deployment = client.read_deployment_by_name("longstraw-train/local")
+                step_runs = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id])
+                    )
+                )
         print(f"seconds: {seconds}")
 
         assert state_names(runs, "open_run") == ["Completed"]
@@ -147,6 +156,12 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, run
             assert state_names(runs, name) == ["Completed"], name
         assert {f"{RUN_ID}-metrics", f"{RUN_ID}-reward-curve", f"{RUN_ID}-step"} <= set(artifacts)
         assert (runs_root / "runs" / RUN_ID / "checkpoints" / "v000001").is_dir()
+        # prefect.yaml's concurrency limit reached the server: one training run at a time.
+        assert deployment.global_concurrency_limit is not None
+        assert deployment.global_concurrency_limit.limit == 1
+        assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
+        assert [r.name for r in step_runs] == ["step-0000"]
+        assert "checkpoint v1" in [r.name for r in runs]
     finally:
         if worker is not None:
             _stop(worker)

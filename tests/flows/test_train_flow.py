@@ -1,18 +1,26 @@
-"""The `train` flow: same weights as the in-process loop, resume, and cached prefill shards."""
+"""The `train` flow: same weights as the in-process loop, resume, cached prefill shards, and the
+audit trail the Prefect API holds for a run (run names, tags, logs, rounded curves)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 from flow_helpers import (
     NUM_SHARDS,
     artifacts_of,
     final_weights_digest,
+    flow_run_ids,
+    logs_of,
     state_names,
     task_runs_of,
     tiny_run_config,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -36,7 +44,79 @@ def test_train_flow_matches_in_process_loop(prefect_harness, runs_root, in_proce
 
     artifacts = {a.key: a for a in artifacts_of(flow_run_id) if a.key}
     assert {"flow-uninterrupted-metrics", "flow-uninterrupted-reward-curve"} <= set(artifacts)
-    assert "# Reward curve" in artifacts["flow-uninterrupted-reward-curve"].data
+    # The curves: one row per step, every float at most 4 significant digits, as recorded.
+    curves = json.loads(artifacts["flow-uninterrupted-curves"].data)
+    assert [row["step"] for row in curves] == [0, 1]
+    for row, m in zip(curves, history, strict=True):
+        for column in ("reward_mean", "reward_std", "loss", "grad_norm"):
+            assert row[column] == float(f"{getattr(m, column):.4g}"), (column, row, m)
+    metrics_rows = json.loads(artifacts["flow-uninterrupted-metrics"].data)
+    floats = [v for row in metrics_rows for v in row.values() if isinstance(v, float)]
+    assert floats and all(v == float(f"{v:.4g}") for v in floats), floats
+    assert f"| 1 | 1 | {history[1].reward_mean:.4g} |" in (
+        artifacts["flow-uninterrupted-reward-curve"].data
+    )
+    _assert_audit_trail(flow_run_id, history, run_id=config.run_id)
+
+
+def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
+    """What the UI shows for the run: step flow runs, named and tagged task runs, its logs."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == run_id
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids(flow_run_id)[1:]))
+        )
+    assert sorted(r.name for r in subflows) == ["step-0000", "step-0001"]
+
+    runs = task_runs_of(flow_run_id)
+    names = [r.name for r in runs]
+    shard_names = [n for n in names if n.startswith("prefill s")]
+    assert len(shard_names) == 2 * NUM_SHARDS, names
+    assert [n.split(" group")[0] for n in shard_names[:NUM_SHARDS]] == [
+        f"prefill s{i}/{NUM_SHARDS}" for i in range(NUM_SHARDS)
+    ]
+    for expected in ("rollout group 0", "backward group 0", "checkpoint v1", "checkpoint v2"):
+        assert expected in names, (expected, names)
+    # Tags: the run, the stage, the policy version the step ran at (and `gpu` on model tasks).
+    backward = [set(r.tags) for r in runs if r.name == "backward group 0"]
+    assert len(backward) == 2, names
+    for step, tags in enumerate(backward):
+        assert {f"run:{run_id}", "stage:backward", f"step:{step}", f"policy:v{step}", "gpu"} <= tags
+    checkpoint = next(set(r.tags) for r in runs if r.name == "checkpoint v2")
+    assert {f"run:{run_id}", "stage:checkpoint", "step:1", "policy:v1"} <= checkpoint
+    assert "gpu" not in checkpoint
+
+    # The step lines and each shard's cache key reached the API (the run's logs in the UI).
+    messages = [log.message for log in logs_of(flow_run_id)]
+    for m in history:
+        assert any(msg.startswith(f"step {m.step}: reward {m.reward_mean:.3f}") for msg in messages)
+    keys = [msg for msg in messages if ": cache key prefill_shard-" in msg]
+    assert len(keys) == 2 * NUM_SHARDS, messages
+    assert all(f"prefill_shard-{run_id}-" in k for k in keys), keys
+    # The digest a shard's name shows is the one its cache key holds.
+    shard = next(r for r in runs if r.name.startswith("prefill s0/"))
+    assert shard.name.rsplit(" ", 1)[1] in keys[0], (shard.name, keys[0])
+
+
+def test_zombie_flow_automation_is_accepted_by_the_prefect_api(prefect_harness):
+    from prefect import get_client
+    from prefect.events.schemas.automations import AutomationCore
+
+    path = ROOT / "infra" / "prefect-automation-crash-zombie-flows.yaml"
+    spec = AutomationCore.model_validate(yaml.safe_load(path.read_text()))
+    with get_client(sync_client=True) as client:
+        automation = client.read_automation(client.create_automation(spec))
+        try:
+            assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
+            assert "prefect.flow-run.Crashed" in automation.trigger.expect
+            assert automation.trigger.posture == "Proactive"
+            assert [a.type for a in automation.actions] == ["change-flow-run-state"]
+            assert automation.actions[0].state.value == "CRASHED"
+        finally:
+            client.delete_automation(automation.id)
 
 
 def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
@@ -61,5 +141,11 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     third, flow_run_id = _train(config, resume=True)
     assert [m.step for m in third] == [1]
     assert (third[0].shards_computed, third[0].shards_reused) == (0, NUM_SHARDS)
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).name == "flow-resumed resumed"
     assert state_names(task_runs_of(flow_run_id), "prefill_shard") == ["Cached"] * NUM_SHARDS
+    cached = [m for m in (log.message for log in logs_of(flow_run_id)) if "cache key" in m]
+    assert len(cached) == NUM_SHARDS and all(m.startswith("Cached: ") for m in cached), cached
     assert final_weights_digest(config) == in_process_digest

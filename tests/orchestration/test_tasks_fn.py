@@ -14,12 +14,8 @@ from pydantic import ValidationError
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.rewards import register_reward
 from longstraw.models.checkpoint import read_checkpoint_metadata
-from longstraw.schemas.data import HaystackTaskConfig
-from longstraw.schemas.refs import GradRef, PromptRef, RolloutRecord
-from longstraw.schemas.run import RunConfig
-from longstraw.storage import artifacts
-from longstraw.tasks.policies import retry_on_transient
-from longstraw.tasks.stages import (
+from longstraw.orchestration.policies import retry_on_transient
+from longstraw.orchestration.stages import (
     apply_update,
     backward_group,
     compute_advantages,
@@ -31,6 +27,10 @@ from longstraw.tasks.stages import (
     rollout_group,
     score_group,
 )
+from longstraw.schemas.data import HaystackTaskConfig
+from longstraw.schemas.refs import GradRef, PromptRef, RolloutRecord
+from longstraw.schemas.run import RunConfig
+from longstraw.storage import artifacts
 from longstraw.training import held
 from longstraw.training.context import initial_checkpoint
 

@@ -6,7 +6,7 @@ import hashlib
 
 from prefect.cache_policies import CacheKeyFnPolicy
 
-from longstraw.tasks.locks import CrashSafeFileLockManager
+from longstraw.orchestration.locks import CrashSafeFileLockManager
 
 # Faults worth retrying: storage and network hiccups. A ValueError (bad input) or a
 # StateMismatchError (wrong weights) fails the same way every time and is not retried.

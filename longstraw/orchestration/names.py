@@ -1,0 +1,123 @@
+"""What the Prefect UI shows for a run: task run names, tags and the audit lines of a step.
+
+Every name reads as what the task did, with the numbers a reader looks for — the shard, the group,
+the policy version — and the prefill shards carry the prompt-state digest their cache is keyed by,
+so a Cached shard in the UI says which committed state it reused. Names are built from the task's
+bound parameters (Prefect passes them as `parameters`); nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+DIGEST_CHARS = 12
+"""Digest prefix shown in names: enough to tell prompt states apart by eye, short enough to read."""
+
+Parameters = dict[str, Any]
+
+
+def _named(build: Callable[[Parameters], str]) -> Callable[..., str]:
+    # Prefect calls a task_run_name callable with `parameters=` when its signature has that name.
+    def task_run_name(parameters: Parameters) -> str:
+        return build(parameters)
+
+    return task_run_name
+
+
+def _prefill_shard(p: Parameters) -> str:
+    prompt = p["prompt"]
+    return (
+        f"prefill s{p['shard']}/{prompt.num_shards} group {prompt.index} "
+        f"{prompt.prompt_digest[:DIGEST_CHARS]}"
+    )
+
+
+def _prefill_prompt(p: Parameters) -> str:
+    prompt = p["prompt"]
+    return (
+        f"prefill group {prompt.index} ({prompt.num_shards} shards) "
+        f"{prompt.prompt_digest[:DIGEST_CHARS]}"
+    )
+
+
+def _backward(p: Parameters) -> str:
+    iteration = p.get("iteration", 0)
+    return f"backward group {p['group']}" + (f" iteration {iteration}" if iteration else "")
+
+
+TASK_RUN_NAMES: dict[str, Callable[..., str]] = {
+    "open_run": _named(lambda p: f"open {p['config'].run_id}"),
+    "plan_step": _named(lambda p: f"plan step {p['policy'].step}"),
+    "prefill_shard": _named(_prefill_shard),
+    "prefill_prompt": _named(_prefill_prompt),
+    "rollout_group": _named(lambda p: f"rollout group {p['prompt'].index}"),
+    "score_group": _named(lambda p: f"score {p['which']} group {p['rollout'].prompt.index}"),
+    "compute_advantages": _named(lambda p: f"advantages of {len(p['rollouts'])} groups"),
+    "backward_group": _named(_backward),
+    "reduce_gradients": _named(lambda p: f"reduce {len(p['grads'])} gradients"),
+    "apply_update": _named(
+        lambda p: f"update v{p['policy'].policy_version} to v{p['policy'].policy_version + 1}"
+    ),
+    "write_checkpoint": _named(lambda p: f"checkpoint v{p['policy'].policy_version}"),
+    "record_step": _named(lambda p: f"record step {p['metrics'].step}"),
+}
+"""Task name → its task_run_name callable."""
+
+STAGE_TAGS: dict[str, str] = {
+    "open_run": "open",
+    "plan_step": "plan",
+    "prefill_shard": "prefill",
+    "prefill_prompt": "prefill",
+    "rollout_group": "rollout",
+    "score_group": "score",
+    "compute_advantages": "advantages",
+    "backward_group": "backward",
+    "reduce_gradients": "reduce",
+    "apply_update": "update",
+    "write_checkpoint": "checkpoint",
+    "record_step": "record",
+}
+"""Task name → the stage it belongs to (tagged `stage:<stage>`)."""
+
+GPU_TAG = "gpu"
+"""Tag of the tasks that run the model: a Prefect tag concurrency limit on it
+(`prefect concurrency-limit create gpu 1`) bounds how many of them run at once across runs."""
+
+GPU_TASKS = frozenset(
+    {
+        "prefill_shard",
+        "prefill_prompt",
+        "rollout_group",
+        "score_group",
+        "backward_group",
+        "reduce_gradients",
+        "apply_update",
+    }
+)
+
+
+def task_tags(task_name: str) -> set[str]:
+    """Static tags of one task: its stage, and `gpu` for the tasks that run the model."""
+    tags = {f"stage:{STAGE_TAGS[task_name]}"}
+    if task_name in GPU_TASKS:
+        tags.add(GPU_TAG)
+    return tags
+
+
+def step_tags(run_id: str, step: int, policy_version: int) -> tuple[str, ...]:
+    """Tags every task of one step carries: which run, which step, which policy version."""
+    return (f"run:{run_id}", f"step:{step}", f"policy:v{policy_version}")
+
+
+def round_significant(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits (what a table in the UI shows)."""
+    return float(f"{value:.{digits}g}")
+
+
+def rounded_rows(rows: Iterable[dict[str, Any]], digits: int = 4) -> list[dict[str, Any]]:
+    """Table rows with every float rounded to `digits` significant digits (ints, strings kept)."""
+    return [
+        {k: round_significant(v, digits) if isinstance(v, float) else v for k, v in row.items()}
+        for row in rows
+    ]

@@ -1,0 +1,80 @@
+"""The step's stages as Prefect tasks: one thin task per stage function, nothing else.
+
+Each task calls its stage (`longstraw.training.stages`) with the same arguments — configs and
+refs — and returns its refs; Prefect adds retries, caching, names and the audit trail. A task
+retried or run in another process gives the same result, because the stage rebuilds what its refs
+name from storage.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.context import TaskRunContext
+from prefect.logging.loggers import task_run_logger
+
+from longstraw.orchestration.names import TASK_RUN_NAMES, task_tags
+from longstraw.orchestration.policies import (
+    prefill_shard_cache_key,
+    retry_on_transient,
+    serializable_cache_policy,
+)
+from longstraw.training import stages
+from longstraw.training.step import Stages
+
+_RETRY = {"retries": 1, "retry_delay_seconds": 1, "retry_condition_fn": retry_on_transient}
+
+
+def _task(name: str, **options):
+    """A task named `name` whose runs are named and tagged for the UI (`orchestration.names`)."""
+    return task(name=name, task_run_name=TASK_RUN_NAMES[name], tags=task_tags(name), **options)
+
+
+def log_cache_key(task, task_run, state) -> None:
+    """Completion hook: the full cache key of a prefill shard, in the task run's logs (the name
+    shows only the prompt digest's prefix). Computed or Cached, the key is the same."""
+    context = TaskRunContext.get()
+    key = prefill_shard_cache_key(context, context.parameters) if context else None
+    task_run_logger(task_run, task).info("%s: cache key %s", state.name, key)
+
+
+open_run = _task("open_run")(stages.open_run)
+plan_step = _task("plan_step")(stages.plan_step)
+# Cached per (run, weights, prompt, version, shard, config): a flow rerun after a crash skips
+# every shard that finished; the storage manifest stays the source of truth.
+prefill_shard = _task(
+    "prefill_shard",
+    cache_policy=serializable_cache_policy(),
+    persist_result=True,
+    result_serializer="json",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=retry_on_transient,
+    on_completion=[log_cache_key],
+)(stages.prefill_shard)
+prefill_prompt = _task("prefill_prompt", **_RETRY)(stages.prefill_prompt)
+rollout_group = _task("rollout_group", **_RETRY)(stages.rollout_group)
+score_group = _task("score_group", **_RETRY)(stages.score_group)
+compute_advantages = _task("compute_advantages")(stages.compute_advantages)
+backward_group = _task("backward_group", **_RETRY)(stages.backward_group)
+reduce_gradients = _task("reduce_gradients", **_RETRY)(stages.reduce_gradients)
+apply_update = _task("apply_update")(stages.apply_update)
+write_checkpoint = _task("write_checkpoint", **_RETRY)(stages.write_checkpoint)
+record_step = _task("record_step")(stages.record_step)
+
+
+def prefect_stages(on_prefill_shard=None) -> Stages:
+    """The step's stages as these tasks (`longstraw.training.step.run_step` composes them)."""
+    return Stages(
+        plan_step=plan_step,
+        prefill_shard=prefill_shard,
+        prefill_prompt=prefill_prompt,
+        rollout_group=rollout_group,
+        score_group=score_group,
+        compute_advantages=compute_advantages,
+        backward_group=backward_group,
+        reduce_gradients=reduce_gradients,
+        apply_update=apply_update,
+        write_checkpoint=write_checkpoint,
+        record_step=record_step,
+        on_prefill_shard=on_prefill_shard,
+    )
