@@ -317,9 +317,7 @@ def accumulate_group_gradients(
     that many tokens, one segment's graph at a time (`longstraw.engine.segmented_replay`).
     """
     if branch_segment_tokens is not None and branch_segment_tokens < 1:
-        raise ValueError(
-            f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}"
-        )
+        raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
     inputs = group_inputs(
         model,
         responses,

@@ -95,9 +95,7 @@ def allocate_branch_state(
     """The branch's own state: a `PrefixState` of `[x_last] + y` ("shards" = segments), whose
     linear-attention entry 0 is the prompt's final state (the branch starts from it)."""
     ids = torch.cat([torch.tensor([prompt.last_token_id]), response_ids.cpu()])
-    dtype = next(
-        t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None
-    )
+    dtype = next(t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
     device = next(t.device for t in prompt.tensors().values())
     branch = PrefixState.allocate(
         prompt.spec, prompt_ids=ids, shard_tokens=segment_tokens, dtype=dtype, device=device
@@ -284,7 +282,9 @@ def _segment_backward(
         def record(*tensors: torch.Tensor) -> None:
             names = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}
             kinds = names.get(kind, (kind,))
-            outputs.extend((n, slot, t) for n, t in zip(kinds, tensors, strict=True) if t is not None)
+            outputs.extend(
+                (n, slot, t) for n, t in zip(kinds, tensors, strict=True) if t is not None
+            )
 
         return record
 

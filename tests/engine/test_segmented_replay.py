@@ -122,7 +122,6 @@ def test_segmented_log_probs_equal_the_whole_branch(tiny_model):
     model = tiny_model("qwen3_5")
     cfg = GRPOConfig(loss_type="grpo")
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
-    whole, _ = _engine_grads(model, prompt, responses, advantages, None, cfg, "detached", None)
     _, stats_whole = _engine_grads(model, prompt, responses, advantages, None, cfg, "exact", None)
     _, stats_seg = _engine_grads(model, prompt, responses, advantages, None, cfg, "exact", 4)
     for got, want in zip(stats_seg.branch_logprobs, stats_whole.branch_logprobs, strict=True):
@@ -175,3 +174,18 @@ def test_segment_length_must_be_positive(tiny_model):
             shard_tokens=SHARD_TOKENS,
             branch_segment_tokens=0,
         )
+
+
+def test_run_config_rejects_segments_on_several_ranks():
+    from longstraw.schemas.run import RunConfig
+
+    with pytest.raises(ValueError, match="branch_segment_tokens"):
+        RunConfig.model_validate(
+            {"engine": {"branch_segment_tokens": 8}, "parallel": {"world_size": 2}}
+        )
+    assert (
+        RunConfig.model_validate(
+            {"engine": {"branch_segment_tokens": 8}}
+        ).engine.branch_segment_tokens
+        == 8
+    )
