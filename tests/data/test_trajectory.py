@@ -79,7 +79,7 @@ def test_a_trajectory_file_reads_back_with_its_tokens(tmp_path, tokenizer):
     ("bad", "line_and_field"),
     [
         (
-            _record(messages=[{"role": "robot", "content": "hi"}] + MESSAGES[1:]),
+            _record(messages=[{"role": "robot", "content": "hi"}, *MESSAGES[1:]]),
             ":2: field 'messages.0.role'",
         ),
         (_record(messages=MESSAGES[:2]), ":2: field 'messages'"),
