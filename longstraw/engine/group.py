@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.branch_tree import tree_group_backward
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.segmented_replay import segmented_branch_backward
@@ -298,6 +299,7 @@ def accumulate_group_gradients(
     grad_buffer: GradBuffer | None = None,
     importance_weights: Sequence[torch.Tensor] | None = None,
     branch_segment_tokens: int | None = None,
+    share_prefixes: bool = False,
 ) -> GroupStats:
     """Accumulate one group's GRPO gradient, replaying one branch at a time.
 
@@ -315,6 +317,8 @@ def accumulate_group_gradients(
     `"detached"` treats the state as a constant, the capacity mode of the original system.
     A response longer than `branch_segment_tokens` (None: no limit) is replayed in segments of
     that many tokens, one segment's graph at a time (`longstraw.engine.segmented_replay`).
+    `share_prefixes`: responses that start with the same tokens run that shared part once (a
+    prefix tree over the group, `longstraw.engine.branch_tree`); gradients are unchanged.
     """
     if branch_segment_tokens is not None and branch_segment_tokens < 1:
         raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
@@ -361,7 +365,20 @@ def accumulate_group_gradients(
         grads_drained_into(params, contribution),
     ):
         started = time.perf_counter()
-        for i, response in enumerate(response_ids):
+        if share_prefixes:
+            for logp, loss, stats in tree_group_backward(
+                model,
+                state,
+                response_ids,
+                lambda i, logp: inputs.branch_loss(i, logp, loss_config),
+                segment_tokens=branch_segment_tokens,
+                temperature=loss_config.temperature,
+                cotangent=cotangent,
+            ):
+                branch_losses.append(float(loss))
+                branch_logps.append(logp.cpu().tolist())
+                branch_stats.append(stats)
+        for i, response in enumerate([] if share_prefixes else response_ids):
             if branch_segment_tokens is not None and response.numel() > branch_segment_tokens:
                 logp, loss, stats = segmented_branch_backward(
                     model,

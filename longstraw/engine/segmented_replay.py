@@ -90,17 +90,22 @@ def segment_bounds(num_tokens: int, segment_tokens: int) -> tuple[tuple[int, int
 
 
 def allocate_branch_state(
-    prompt: PrefixState, response_ids: torch.Tensor, segment_tokens: int
+    prompt: PrefixState, input_ids: torch.Tensor, bounds: tuple[tuple[int, int], ...]
 ) -> PrefixState:
-    """The branch's own state: a `PrefixState` of `[x_last] + y` ("shards" = segments), whose
-    linear-attention entry 0 is the prompt's final state (the branch starts from it)."""
-    ids = torch.cat([torch.tensor([prompt.last_token_id]), response_ids.cpu()])
+    """The state of branch positions [0, R) (R = len(input_ids)): a `PrefixState` of
+    `input_ids + [0]` whose "shards" are `bounds`; linear-attention entry k is the state at the
+    start of bound k, entry 0 the prompt's final state (the branch starts from it)."""
+    ids = torch.cat([input_ids.cpu(), torch.zeros(1, dtype=torch.long)])
     dtype = next(t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
     device = next(t.device for t in prompt.tensors().values())
     branch = PrefixState.allocate(
-        prompt.spec, prompt_ids=ids, shard_tokens=segment_tokens, dtype=dtype, device=device
+        prompt.spec, prompt_ids=ids, shard_tokens=max(1, ids.numel()), dtype=dtype, device=device
     )
+    branch.bounds = tuple(bounds)
     if branch.conv is not None:
+        shape = (branch.conv.shape[0], len(bounds) + 1)
+        branch.conv = branch.conv.new_zeros(*shape, *branch.conv.shape[2:])
+        branch.recurrent = branch.recurrent.new_zeros(*shape, *branch.recurrent.shape[2:])
         branch.conv[:, 0] = prompt.conv[:, prompt.num_shards]
         branch.recurrent[:, 0] = prompt.recurrent[:, prompt.num_shards]
     return branch
@@ -227,47 +232,21 @@ def segmented_branch_backward(
     Returns (log-probs [R] detached, the loss (0-d, detached), the loss's stats). Parameter
     gradients accumulate as in `loss.backward()`; with `cotangent` (exact mode) the cotangent
     of the prompt state the branch read is added into it, including its final linear-attention
-    state (what `BranchCache.add_leaf_grads_into` does for a whole-branch replay).
+    state (what `BranchCache.add_leaf_grads_into` does for a whole-branch replay). A prefix
+    tree of one branch (`longstraw.engine.branch_tree`).
     """
-    response = response_ids.to(model.device)
-    branch = allocate_branch_state(prompt, response, segment_tokens)
-    input_ids = branch.prompt_ids[:-1].to(model.device)
-    logps = []
-    with torch.no_grad():
-        for k, (a, b) in enumerate(branch.bounds):
-            cache, _ = _segment_cache(
-                prompt,
-                branch,
-                k,
-                prompt_cotangent=None,
-                branch_cotangent=None,
-                on_update=_writer(branch, k),
-            )
-            logits = replay_logits(model, prompt, input_ids[a:b].unsqueeze(0), cache)
-            logps.append(token_logprobs(logits, response[a:b].unsqueeze(0), temperature)[0])
-            del logits, cache
-    logp_leaf = torch.cat(logps).requires_grad_(True)
-    with torch.enable_grad():
-        loss, stats = loss_fn(logp_leaf)
-        loss.backward()
-    grad_logp = torch.zeros_like(logp_leaf) if logp_leaf.grad is None else logp_leaf.grad
+    from longstraw.engine.branch_tree import tree_group_backward
 
-    branch_cotangent = PromptCotangent.zeros_like_state(branch)
-    for k in reversed(range(branch.num_shards)):
-        _segment_backward(
-            model,
-            prompt,
-            branch,
-            k,
-            response,
-            input_ids,
-            grad_logp,
-            logp_leaf.detach(),
-            temperature,
-            cotangent,
-            branch_cotangent,
-        )
-    return logp_leaf.detach(), loss.detach(), stats
+    (result,) = tree_group_backward(
+        model,
+        prompt,
+        [response_ids],
+        lambda i, logp: loss_fn(logp),
+        segment_tokens=segment_tokens,
+        temperature=temperature,
+        cotangent=cotangent,
+    )
+    return result
 
 
 def _segment_backward(
@@ -329,16 +308,7 @@ def _segment_backward(
         if rope.grad is not None:
             bcot.rope_key[slot, :a] += rope.grad.float()
     for slot, (conv, recurrent) in leaves["linear"].items():
-        conv_grad = torch.zeros_like(bcot.conv[slot]) if conv.grad is None else conv.grad.float()
-        rec_grad = (
-            torch.zeros_like(bcot.recurrent[slot])
-            if recurrent.grad is None
-            else recurrent.grad.float()
-        )
-        if k > 0:
-            # The start state of segment k is read by nothing else: it replaces the end's.
-            bcot.conv[slot], bcot.recurrent[slot] = conv_grad, rec_grad
-        elif cotangent is not None:
-            # Segment 0 starts from the prompt's final state, which every branch reads.
-            cotangent.conv[slot] += conv_grad
-            cotangent.recurrent[slot] += rec_grad
+        # The start state of segment k is read by nothing else: its cotangent replaces the
+        # end's (the caller hands that of the first segment on: parent node or prompt).
+        bcot.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()
+        bcot.recurrent[slot] = 0.0 if recurrent.grad is None else recurrent.grad.float()
