@@ -60,6 +60,10 @@ class EngineConfig(_Section):
     autograd graph at a time, on top of the prompt state and the response's own earlier
     segments (gradients unchanged; about one extra forward of the response). None: every
     response is one graph. Single-process runs only (parallel.world_size = 1)."""
+    share_response_prefixes: bool = False
+    """Responses of a group that start with the same tokens (common first turns of agent
+    trajectories) run that shared part once, as a prefix tree (gradients unchanged).
+    Single-process runs only."""
 
 
 class HaystackDataConfig(_Section):
@@ -158,12 +162,15 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _segments_need_one_rank(self) -> RunConfig:
-        if self.engine.branch_segment_tokens is not None and self.parallel.world_size > 1:
-            raise ValueError(
-                "engine.branch_segment_tokens is set but parallel.world_size > 1: segmented "
-                "replay runs in a single process; remove engine.branch_segment_tokens or set "
-                "parallel.world_size: 1"
-            )
+        for name, on in (
+            ("branch_segment_tokens", self.engine.branch_segment_tokens is not None),
+            ("share_response_prefixes", self.engine.share_response_prefixes),
+        ):
+            if on and self.parallel.world_size > 1:
+                raise ValueError(
+                    f"engine.{name} is set but parallel.world_size > 1: it runs in a single "
+                    f"process; remove engine.{name} or set parallel.world_size: 1"
+                )
         return self
 
     @model_validator(mode="after")

@@ -344,6 +344,7 @@ def backward_group(
             prompt_grad=config.engine.prompt_grad,
             grad_buffer=grads,
             branch_segment_tokens=config.engine.branch_segment_tokens,
+            share_prefixes=config.engine.share_response_prefixes,
             **kwargs,
         )
     else:

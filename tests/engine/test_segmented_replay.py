@@ -182,3 +182,7 @@ def test_run_config_rejects_segments_on_several_ranks():
         ).engine.branch_segment_tokens
         == 8
     )
+    with pytest.raises(ValueError, match="share_response_prefixes"):
+        RunConfig.model_validate(
+            {"engine": {"share_response_prefixes": True}, "parallel": {"world_size": 2}}
+        )
