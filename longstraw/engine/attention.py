@@ -59,6 +59,8 @@ def longstraw_attention(
             chunk_size=PREFIX_CHUNK_TOKENS,
             prefix_grad_k_TKD=layer.grad_k_TKD,
             prefix_grad_v_TKD=layer.grad_v_TKD,
+            # A long branch's earlier segments (engine/segmented_replay.py), else None.
+            extra_prefix=getattr(layer, "extra_prefix", None),
         )
     else:
         out_BHSD = decode_attention(

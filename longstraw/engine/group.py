@@ -25,8 +25,10 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.branch_tree import tree_group_backward
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
+from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
@@ -296,6 +298,8 @@ def accumulate_group_gradients(
     num_sequences_in_batch: int | None = None,
     grad_buffer: GradBuffer | None = None,
     importance_weights: Sequence[torch.Tensor] | None = None,
+    branch_segment_tokens: int | None = None,
+    share_prefixes: bool = False,
 ) -> GroupStats:
     """Accumulate one group's GRPO gradient, replaying one branch at a time.
 
@@ -311,7 +315,13 @@ def accumulate_group_gradients(
     The contribution is added to `param.grad` (fp32 models) or, if given, to `grad_buffer`.
     `prompt_grad="exact"` adds the gradient through the prompt state (reverse sweep);
     `"detached"` treats the state as a constant, the capacity mode of the original system.
+    A response longer than `branch_segment_tokens` (None: no limit) is replayed in segments of
+    that many tokens, one segment's graph at a time (`longstraw.engine.segmented_replay`).
+    `share_prefixes`: responses that start with the same tokens run that shared part once (a
+    prefix tree over the group, `longstraw.engine.branch_tree`); gradients are unchanged.
     """
+    if branch_segment_tokens is not None and branch_segment_tokens < 1:
+        raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
     inputs = group_inputs(
         model,
         responses,
@@ -355,7 +365,34 @@ def accumulate_group_gradients(
         grads_drained_into(params, contribution),
     ):
         started = time.perf_counter()
-        for i, response in enumerate(response_ids):
+        if share_prefixes:
+            for logp, loss, stats in tree_group_backward(
+                model,
+                state,
+                response_ids,
+                lambda i, logp: inputs.branch_loss(i, logp, loss_config),
+                segment_tokens=branch_segment_tokens,
+                temperature=loss_config.temperature,
+                cotangent=cotangent,
+            ):
+                branch_losses.append(float(loss))
+                branch_logps.append(logp.cpu().tolist())
+                branch_stats.append(stats)
+        for i, response in enumerate([] if share_prefixes else response_ids):
+            if branch_segment_tokens is not None and response.numel() > branch_segment_tokens:
+                logp, loss, stats = segmented_branch_backward(
+                    model,
+                    state,
+                    response,
+                    functools.partial(inputs.branch_loss, i, loss_config=loss_config),
+                    segment_tokens=branch_segment_tokens,
+                    temperature=loss_config.temperature,
+                    cotangent=cotangent,
+                )
+                branch_losses.append(float(loss))
+                branch_logps.append(logp.cpu().tolist())
+                branch_stats.append(stats)
+                continue
             logp, branch = replay_branch(
                 model, state, response, temperature=loss_config.temperature, cotangent=cotangent
             )

@@ -117,6 +117,24 @@ _CORPUS_WORDS = [
 ]
 
 
+# ChatML over the turn markers above. `{% generation %}` marks what the assistant produced (its
+# text and the <|im_end|> that ends its turn), so `apply_chat_template(...,
+# return_assistant_tokens_mask=True)` gives the loss mask of a trajectory
+# (longstraw.data.trajectory); the role header of a turn is given, not sampled.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
 def _training_corpus(seed: int, num_lines: int = 4000) -> list[str]:
     """Deterministic lines of filler prose and `key = value` records."""
     rng = random.Random(seed)
@@ -153,8 +171,9 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> Tokenizer:
 
 
 def build_hf_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
-    """The same tokenizer wrapped as a transformers fast tokenizer (what `AutoTokenizer` returns)."""
-    return PreTrainedTokenizerFast(
+    """The same tokenizer wrapped as a transformers fast tokenizer (what `AutoTokenizer` returns),
+    with a ChatML chat template (`CHAT_TEMPLATE`)."""
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=build_tokenizer(vocab_size, seed),
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
@@ -163,6 +182,8 @@ def build_hf_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokeni
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> None:

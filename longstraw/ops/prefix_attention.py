@@ -179,25 +179,27 @@ def _flash_forward(
     q_BHRD: Tensor,
     k_branch_BKRD: Tensor,
     v_branch_BKRD: Tensor,
-    k_prefix_TKD: Tensor,
-    v_prefix_TKD: Tensor,
+    prefixes: list[tuple[Tensor, Tensor]],
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """(out_BHRV in fp32, lse_BHR fp32) from the CPU flash kernel's two partials, LSE-merged.
+    """(out_BHRV in fp32, lse_BHR fp32) from the CPU flash kernel's partials, LSE-merged.
 
-    The prefix is passed as an expanded [B, K, T, D] view of the [T, K, D] state (no copy by us);
-    GQA is resolved inside the kernel (query head h reads kv head h // (H // K)).
+    Each prefix is passed as an expanded [B, K, T, D] view of its [T, K, D] state (no copy by
+    us); GQA is resolved inside the kernel (query head h reads kv head h // (H // K)). Prefixes
+    merge last to first into the branch partial (one prefix: merge(prefix, branch)).
     """
     batch = q_BHRD.shape[0]
     out_b, lse_b = _CPU_FLASH(
         q_BHRD, k_branch_BKRD, v_branch_BKRD, 0.0, True, attn_mask=None, scale=scale
     )[:2]
-    if k_prefix_TKD.shape[0] == 0:
-        return out_b.float(), lse_b.float()
-    k_p = k_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
-    v_p = v_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
-    out_p, lse_p = _CPU_FLASH(q_BHRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
-    out, lse = merge_partial_attention(out_p.float(), lse_p.float(), out_b.float(), lse_b.float())
+    out, lse = out_b.float(), lse_b.float()
+    for k_prefix_TKD, v_prefix_TKD in reversed(prefixes):
+        if k_prefix_TKD.shape[0] == 0:
+            continue
+        k_p = k_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
+        v_p = v_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
+        out_p, lse_p = _CPU_FLASH(q_BHRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
+        out, lse = merge_partial_attention(out_p.float(), lse_p.float(), out, lse)
     return out, lse
 
 
@@ -214,7 +216,13 @@ class _PrefixCachedAttention(torch.autograd.Function):
         chunk_size: int,
         prefix_grad_k_TKD: Tensor | None,
         prefix_grad_v_TKD: Tensor | None,
+        extra_prefix: tuple | None = None,
     ) -> Tensor:
+        # Every prefix as (k, v, grad_k, grad_v): the prompt's, then an optional second one (a
+        # long branch's own earlier segments, longstraw.engine.segmented_replay).
+        prefixes = [(k_prefix_TKD, v_prefix_TKD, prefix_grad_k_TKD, prefix_grad_v_TKD)]
+        if extra_prefix is not None:
+            prefixes.append(tuple(extra_prefix))
         batch, num_heads, branch_len, _ = q_BHRD.shape
         num_kv_heads = k_branch_BKRD.shape[1]
         num_groups = num_heads // num_kv_heads
@@ -231,17 +239,19 @@ class _PrefixCachedAttention(torch.autograd.Function):
         use_flash = _flash_applicable(q_BHRD, v_branch_BKRD)
         if use_flash:
             out_BHRV32, lse_BHR = _flash_forward(
-                q_BHRD, k_branch_BKRD, v_branch_BKRD, k_prefix_TKD, v_prefix_TKD, scale
+                q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale
             )
             out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
             lse_BKGR = lse_BHR.view(lse_BKGR.shape)
         for start, end in [] if use_flash else _query_chunks(branch_len, chunk_size):
             q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
             out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
-            if k_prefix_TKD.shape[0] > 0:
+            for k_p_TKD, v_p_TKD, _, _ in reversed(prefixes):
+                if k_p_TKD.shape[0] == 0:
+                    continue
                 # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
                 out_p_KMV, lse_p_KM = _prefix_partial(
-                    q_KBND.flatten(1, 2), k_prefix_TKD, v_prefix_TKD, chunk_size
+                    q_KBND.flatten(1, 2), k_p_TKD, v_p_TKD, chunk_size
                 )
                 out_KBNV, lse_KBN = merge_partial_attention(
                     out_p_KMV.view(out_KBNV.shape), lse_p_KM.view(lse_KBN.shape), out_KBNV, lse_KBN
@@ -253,11 +263,8 @@ class _PrefixCachedAttention(torch.autograd.Function):
         # Only branch-sized tensors go through save_for_backward. The prefix (and the gradient
         # buffers) are held as attributes: they are the prompt state and outlive the graph.
         ctx.save_for_backward(q_BHRD, k_branch_BKRD, v_branch_BKRD, out_BHRV, lse_BKGR)
-        ctx.k_prefix_TKD = k_prefix_TKD
-        ctx.v_prefix_TKD = v_prefix_TKD
-        ctx.prefix_versions = (k_prefix_TKD._version, v_prefix_TKD._version)
-        ctx.prefix_grad_k_TKD = prefix_grad_k_TKD
-        ctx.prefix_grad_v_TKD = prefix_grad_v_TKD
+        ctx.prefixes = prefixes
+        ctx.prefix_versions = [(k._version, v._version) for k, v, _, _ in prefixes]
         ctx.scale = scale
         ctx.chunk_size = chunk_size
         return out_BHRV
@@ -266,20 +273,17 @@ class _PrefixCachedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out_BHRV: Tensor):
         q_BHRD, k_branch_BKRD, v_branch_BKRD, out_BHRV, lse_BKGR = ctx.saved_tensors
-        k_prefix_TKD, v_prefix_TKD = ctx.k_prefix_TKD, ctx.v_prefix_TKD
         # save_for_backward would catch this for saved tensors; the prefix is not saved, so
         # check by hand that nobody wrote into the state between forward and backward.
-        if (k_prefix_TKD._version, v_prefix_TKD._version) != ctx.prefix_versions:
+        if [(k._version, v._version) for k, v, _, _ in ctx.prefixes] != ctx.prefix_versions:
             raise RuntimeError(
                 "prefix K/V were modified in place between forward and backward of "
                 "prefix_cached_attention; the prompt state must stay frozen while a branch graph lives"
             )
-        grad_k_TKD, grad_v_TKD = ctx.prefix_grad_k_TKD, ctx.prefix_grad_v_TKD
         scale, chunk_size = ctx.scale, ctx.chunk_size
         batch, num_heads, branch_len, _ = q_BHRD.shape
         num_kv_heads = k_branch_BKRD.shape[1]
         num_groups = num_heads // num_kv_heads
-        prefix_len = k_prefix_TKD.shape[0]
         dtype = lse_BKGR.dtype
         lse_BHR1 = lse_BKGR.view(batch, num_heads, branch_len, 1)
 
@@ -300,32 +304,38 @@ class _PrefixCachedAttention(torch.autograd.Function):
         # Accumulates dL/d(scaled scores) @ K; times `scale` at the end gives dq.
         grad_q_chunks = [torch.zeros_like(q_KBND) for q_KBND in q_chunks]
 
-        for key_start in range(0, prefix_len, chunk_size):
-            key_end = min(key_start + chunk_size, prefix_len)
-            k_KCD = k_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
-            v_KCV = v_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
-            grad_k_KCD = grad_v_KCV = None
-            for i in range(len(chunks)):
-                # Flattening B into the rows sums the shared prefix's gradient over batch rows
-                # and the heads of each kv group inside the bmm.
-                q_KMD = q_chunks[i].flatten(1, 2)
-                grad_out_KMV = grad_out_chunks[i].flatten(1, 2)
-                probs_KMC = (q_KMD @ k_KCD.transpose(-1, -2)).sub_(lse_chunks[i].flatten(1, 2))
-                probs_KMC.exp_()
-                grad_scores_KMC = (grad_out_KMV @ v_KCV.transpose(-1, -2)).sub_(
-                    delta_chunks[i].flatten(1, 2)
-                )
-                grad_scores_KMC.mul_(probs_KMC)
-                # view(), not flatten(): it must fail rather than add into a copy.
-                grad_q_chunks[i].view(q_KMD.shape).baddbmm_(grad_scores_KMC, k_KCD)
-                if grad_v_TKD is not None:
-                    grad_v_KCV = _add_product(grad_v_KCV, probs_KMC.transpose(-1, -2), grad_out_KMV)
-                if grad_k_TKD is not None:
-                    grad_k_KCD = _add_product(grad_k_KCD, grad_scores_KMC.transpose(-1, -2), q_KMD)
-            if grad_k_KCD is not None:
-                grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
-            if grad_v_KCV is not None:
-                grad_v_TKD[key_start:key_end].add_(grad_v_KCV.transpose(0, 1))
+        for k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD in ctx.prefixes:
+            prefix_len = k_prefix_TKD.shape[0]
+            for key_start in range(0, prefix_len, chunk_size):
+                key_end = min(key_start + chunk_size, prefix_len)
+                k_KCD = k_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
+                v_KCV = v_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
+                grad_k_KCD = grad_v_KCV = None
+                for i in range(len(chunks)):
+                    # Flattening B into the rows sums the shared prefix's gradient over batch rows
+                    # and the heads of each kv group inside the bmm.
+                    q_KMD = q_chunks[i].flatten(1, 2)
+                    grad_out_KMV = grad_out_chunks[i].flatten(1, 2)
+                    probs_KMC = (q_KMD @ k_KCD.transpose(-1, -2)).sub_(lse_chunks[i].flatten(1, 2))
+                    probs_KMC.exp_()
+                    grad_scores_KMC = (grad_out_KMV @ v_KCV.transpose(-1, -2)).sub_(
+                        delta_chunks[i].flatten(1, 2)
+                    )
+                    grad_scores_KMC.mul_(probs_KMC)
+                    # view(), not flatten(): it must fail rather than add into a copy.
+                    grad_q_chunks[i].view(q_KMD.shape).baddbmm_(grad_scores_KMC, k_KCD)
+                    if grad_v_TKD is not None:
+                        grad_v_KCV = _add_product(
+                            grad_v_KCV, probs_KMC.transpose(-1, -2), grad_out_KMV
+                        )
+                    if grad_k_TKD is not None:
+                        grad_k_KCD = _add_product(
+                            grad_k_KCD, grad_scores_KMC.transpose(-1, -2), q_KMD
+                        )
+                if grad_k_KCD is not None:
+                    grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
+                if grad_v_KCV is not None:
+                    grad_v_TKD[key_start:key_end].add_(grad_v_KCV.transpose(0, 1))
 
         k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
         v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
@@ -361,6 +371,7 @@ class _PrefixCachedAttention(torch.autograd.Function):
             grad_q_BHRD,
             grad_k_KBRD.transpose(0, 1).to(k_branch_BKRD.dtype),
             grad_v_KBRV.transpose(0, 1).to(v_branch_BKRD.dtype),
+            None,
             None,
             None,
             None,
@@ -468,6 +479,7 @@ def prefix_cached_attention(
     chunk_size: int = 1024,
     prefix_grad_k_TKD: Tensor | None = None,
     prefix_grad_v_TKD: Tensor | None = None,
+    extra_prefix: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None,
 ) -> Tensor:
     """Softmax attention of branch queries over [prefix ; branch]; returns out_BHRV in q's dtype.
 
@@ -480,7 +492,14 @@ def prefix_cached_attention(
     autograd; if `prefix_grad_k_TKD` / `prefix_grad_v_TKD` (fp32, shaped like the prefix) are
     given, backward ADDS the prefix dK / dV into them in place (summed over batch rows and the
     query heads of each kv group), so repeated branches accumulate the prompt-state cotangent.
+
+    `extra_prefix` = (k [T2, K, D], v [T2, K, V], grad_k, grad_v): a second prefix every query
+    also sees whole, between the first and the branch (a long branch's earlier segments on top
+    of the prompt); same rules as the first, its gradient added into its own buffers.
     """
+    if extra_prefix is not None:
+        k2, v2, grad_k2, grad_v2 = extra_prefix
+        _check_inputs(q_BHRD, k_branch_BKRD, v_branch_BKRD, k2, v2, chunk_size, grad_k2, grad_v2)
     _check_inputs(
         q_BHRD,
         k_branch_BKRD,
@@ -501,4 +520,5 @@ def prefix_cached_attention(
         chunk_size,
         prefix_grad_k_TKD,
         prefix_grad_v_TKD,
+        extra_prefix,
     )

@@ -55,6 +55,15 @@ class EngineConfig(_Section):
     """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
     forward+backward); detached: treat the prompt state as a constant (the original system's
     capacity mode, biased)."""
+    branch_segment_tokens: int | None = Field(default=None, ge=1)
+    """Responses longer than this are replayed in segments of this many tokens, one segment's
+    autograd graph at a time, on top of the prompt state and the response's own earlier
+    segments (gradients unchanged; about one extra forward of the response). None: every
+    response is one graph. Single-process runs only (parallel.world_size = 1)."""
+    share_response_prefixes: bool = False
+    """Responses of a group that start with the same tokens (common first turns of agent
+    trajectories) run that shared part once, as a prefix tree (gradients unchanged).
+    Single-process runs only."""
 
 
 class HaystackDataConfig(_Section):
@@ -150,6 +159,19 @@ class RunConfig(_Section):
     """Where prompt states and checkpoints live, and how prompt states are persisted."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """torch.distributed processes sharing one step."""
+
+    @model_validator(mode="after")
+    def _segments_need_one_rank(self) -> RunConfig:
+        for name, on in (
+            ("branch_segment_tokens", self.engine.branch_segment_tokens is not None),
+            ("share_response_prefixes", self.engine.share_response_prefixes),
+        ):
+            if on and self.parallel.world_size > 1:
+                raise ValueError(
+                    f"engine.{name} is set but parallel.world_size > 1: it runs in a single "
+                    f"process; remove engine.{name} or set parallel.world_size: 1"
+                )
+        return self
 
     @model_validator(mode="after")
     def _reference_needs_beta(self) -> RunConfig:

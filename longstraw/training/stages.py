@@ -358,6 +358,8 @@ def backward_group(
             shard_tokens=config.engine.shard_tokens,
             prompt_grad=config.engine.prompt_grad,
             grad_buffer=grads,
+            branch_segment_tokens=config.engine.branch_segment_tokens,
+            share_prefixes=config.engine.share_response_prefixes,
             **kwargs,
         )
     else:

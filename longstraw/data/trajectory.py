@@ -1,0 +1,145 @@
+"""Agent trajectories as data: chat messages -> (prompt ids, branch ids, loss mask).
+
+A trajectory starts from one long prompt (the messages before the first assistant turn) and
+goes on with assistant turns (trained) interleaved with tool or environment outputs (given, not
+trained). It is tokenized with the tokenizer's own chat template (`apply_chat_template`); the
+template marks the assistant's tokens with `{% generation %}` (transformers'
+`return_assistant_tokens_mask`), which gives the loss mask: 1 on what the assistant produced,
+0 on role headers, tool output and other turns. The tiny checkpoints ship such a template
+(`longstraw.models.tokenizer.CHAT_TEMPLATE`).
+
+JSONL for trajectories generated elsewhere (docs/data.md): one `TrajectoryRecord` per line;
+every error names the file, the line and the field (`DataFormatError`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from longstraw.data.jsonl import _MAX_LOGPROB, DataFormatError, _read_jsonl
+from longstraw.errors import UserError
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    """system / user (the prompt), assistant (trained), tool (environment output, not trained)."""
+    content: str
+    """The message text."""
+
+
+class TrajectoryRecord(BaseModel):
+    """One trajectory sampled elsewhere: one JSON object per line of a trajectory file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_id: str = Field(min_length=1)
+    """Trajectories with the same prompt_id form one GRPO group (their prompts must agree)."""
+    messages: list[Message] = Field(min_length=2)
+    """The conversation: the prompt's messages, then assistant turns and tool outputs."""
+    reward: float
+    """The trajectory's reward (finite)."""
+    sampler_logprobs: list[float] | None = None
+    """The sampler's log-probability of each assistant token (loss-mask 1), in order; None:
+    no importance correction."""
+    policy_version: int = Field(ge=0)
+    """Version of the policy checkpoint that sampled it."""
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, reward: float) -> float:
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be finite, got {reward!r}")
+        return reward
+
+    @model_validator(mode="after")
+    def _shape(self) -> TrajectoryRecord:
+        roles = [m.role for m in self.messages]
+        if "assistant" not in roles:
+            raise ValueError("'messages' has no assistant turn; a trajectory needs at least one")
+        if roles[0] == "assistant":
+            raise ValueError("'messages' starts with an assistant turn; put the prompt first")
+        if self.sampler_logprobs is not None:
+            bad = [x for x in self.sampler_logprobs if not (math.isfinite(x) and x <= _MAX_LOGPROB)]
+            if bad:
+                raise ValueError(
+                    f"'sampler_logprobs' must be finite log-probabilities <= 0; got {bad[0]!r}"
+                )
+        return self
+
+
+@dataclass(frozen=True)
+class TokenizedTrajectory:
+    """A trajectory as the engine replays it."""
+
+    prompt_ids: list[int]
+    """[P] the messages before the first assistant turn, with that turn's header."""
+    response_ids: list[int]
+    """[R] everything after: assistant turns, tool outputs, their headers."""
+    loss_mask: list[int]
+    """[R] 1 on the assistant's own tokens (trained), 0 elsewhere."""
+
+
+def tokenize_trajectory(tokenizer, messages: Sequence[Message | dict]) -> TokenizedTrajectory:
+    """Split a conversation into prompt, branch and loss mask with the tokenizer's chat template."""
+    turns = [m.model_dump() if isinstance(m, Message) else dict(m) for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the tokenizer has no chat template; use a checkpoint whose tokenizer has one "
+            "(with {% generation %} around assistant text), or set tokenizer.chat_template"
+        )
+    first = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), None)
+    if first is None or first == 0:
+        raise UserError("a trajectory needs prompt messages followed by an assistant turn")
+    full = tokenizer.apply_chat_template(
+        turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    prompt = tokenizer.apply_chat_template(
+        turns[:first], tokenize=True, return_dict=True, add_generation_prompt=True
+    )["input_ids"]
+    ids, mask = list(full["input_ids"]), list(full["assistant_masks"])
+    if ids[: len(prompt)] != list(prompt):
+        raise UserError(
+            "the chat template renders the prompt differently inside the conversation than on "
+            "its own (with add_generation_prompt); use a template whose turns concatenate"
+        )
+    if any(mask[: len(prompt)]) or not any(mask):
+        raise UserError(
+            "the chat template marks no assistant tokens after the prompt; wrap assistant "
+            "content in {% generation %} ... {% endgeneration %}"
+        )
+    return TokenizedTrajectory(list(prompt), ids[len(prompt) :], mask[len(prompt) :])
+
+
+def read_trajectory_file(
+    path: str | os.PathLike, tokenizer
+) -> Iterator[tuple[TrajectoryRecord, TokenizedTrajectory]]:
+    """Stream a trajectory JSONL file: each record checked, tokenized, and its
+    `sampler_logprobs` checked against its assistant-token count."""
+    path_str = os.fspath(path)
+    for line_no, record in _read_jsonl(path_str, TrajectoryRecord):
+        try:
+            tokens = tokenize_trajectory(tokenizer, record.messages)
+        except UserError as exc:
+            raise DataFormatError(path_str, line_no, "messages", str(exc)) from None
+        trained = sum(tokens.loss_mask)
+        if record.sampler_logprobs is not None and len(record.sampler_logprobs) != trained:
+            raise DataFormatError(
+                path_str,
+                line_no,
+                "sampler_logprobs",
+                f"has {len(record.sampler_logprobs)} entries for {trained} assistant tokens; "
+                "give one per assistant token, in order",
+            )
+        yield record, tokens

@@ -1,0 +1,314 @@
+"""Branches of any length: replay a long branch segment by segment, one segment's graph at a time.
+
+Legend: T = P - 1 prompt-state tokens, R branch tokens (input `[x_last] + y[:-1]`), segments
+[a, b) of at most `segment_tokens` branch positions, L layers of one kind.
+
+A branch longer than `segment_tokens` is not one autograd graph. Instead:
+
+1. **Forward, no autograd.** Segment by segment, run the branch at positions T + a .. T + b - 1
+   on top of the prompt state, reading the branch's own earlier segments, and write this
+   segment's K/V (MLA latents, Gated DeltaNet state at its end) into a *branch state* — a
+   `PrefixState` of the sequence `[x_last] + y`, exactly as prefill fills the prompt's. Keep
+   each segment's log-probs.
+2. **The loss** of the whole branch is computed on those log-probs as a leaf: its gradient
+   dL/dlogp [R] is all the segments need, whatever the loss type (sequence-level terms too).
+3. **Reverse, one segment at a time.** For segment k = last .. first: recompute it with
+   autograd from the stored state before it (checked bitwise against what step 1 stored),
+   and backpropagate its log-probs with dL/dlogp, its own K/V / latents with their cotangent
+   (complete by now: only later segments read them) and its end recurrent state with the
+   cotangent the next segment handed back. The attention adds the cotangent of earlier branch
+   positions into a fp32 *branch cotangent* and, in exact mode, of prompt positions into the
+   prompt's `PromptCotangent`; the Gated DeltaNet start state is a leaf whose gradient becomes
+   the previous segment's end-state cotangent, and for the first segment that of the prompt's
+   final state.
+
+This is reverse-mode autodiff of the branch with its own stored state as the checkpoint of each
+segment's inputs: the same chain rule as autograd over the whole branch. Memory: the prompt
+state (+ its cotangent in exact mode), the branch state + its fp32 cotangent, one segment's
+graph — flat in the branch length apart from the branch's own per-token state. Detached mode
+keeps its meaning (no cotangent reaches the prompt); the branch's earlier segments are exact in
+both modes. Compute: one extra forward of the branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.engine.cache import (
+    ForkedLinearAttentionLayer,
+    PrefixAttentionLayer,
+    PrefixMlaLayer,
+    StateCache,
+)
+from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
+from longstraw.engine.state import PrefixState
+from longstraw.engine.sweep import StateMismatchError
+
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
+
+
+class SegmentAttentionLayer(PrefixAttentionLayer):
+    """A full-attention layer that reads two prefixes: the prompt's K/V and the branch's earlier
+    segments (`extra_prefix`, handed to `prefix_cached_attention` by the attention function)."""
+
+    def __init__(self, prefix_k_TKD, prefix_v_TKD, *, extra_prefix, **kwargs):
+        super().__init__(prefix_k_TKD, prefix_v_TKD, **kwargs)
+        self.extra_prefix = extra_prefix
+        """(k [a, K, D], v [a, K, Dv], grad_k | None, grad_v | None) of branch positions < a."""
+
+
+class SegmentMlaLayer(PrefixMlaLayer):
+    """An MLA layer whose branch part starts with the branch's earlier segments: `update` returns
+    [earlier ; this forward's] latents, rope keys and indexer keys, so GLM's forward sees the
+    earlier positions as causal branch keys (queries sit at the last S of the X positions)."""
+
+    def __init__(self, *args, earlier, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.earlier = earlier
+        """(latent [a, R], rope [a, E], index key [a, Di] | None) of branch positions < a."""
+
+    def update(self, latent_BSR, rope_BSE, index_key_BSD):
+        if self.on_update is not None:
+            self.on_update(latent_BSR, rope_BSE, index_key_BSD)
+        new = (latent_BSR, rope_BSE, index_key_BSD)
+        return tuple(
+            None if cur is None else torch.cat([old.to(cur.dtype).unsqueeze(0), cur], dim=1)
+            for old, cur in zip(self.earlier, new, strict=True)
+        )
+
+
+def segment_bounds(num_tokens: int, segment_tokens: int) -> tuple[tuple[int, int], ...]:
+    """[a, b) of each segment over `num_tokens` branch positions; the last may be shorter."""
+    if segment_tokens < 1:
+        raise ValueError(f"branch_segment_tokens must be >= 1 (or None), got {segment_tokens}")
+    return tuple(
+        (a, min(a + segment_tokens, num_tokens)) for a in range(0, num_tokens, segment_tokens)
+    )
+
+
+def allocate_branch_state(
+    prompt: PrefixState, input_ids: torch.Tensor, bounds: tuple[tuple[int, int], ...]
+) -> PrefixState:
+    """The state of branch positions [0, R) (R = len(input_ids)): a `PrefixState` of
+    `input_ids + [0]` whose "shards" are `bounds`; linear-attention entry k is the state at the
+    start of bound k, entry 0 the prompt's final state (the branch starts from it)."""
+    ids = torch.cat([input_ids.cpu(), torch.zeros(1, dtype=torch.long)])
+    dtype = next(t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
+    device = next(t.device for t in prompt.tensors().values())
+    branch = PrefixState.allocate(
+        prompt.spec, prompt_ids=ids, shard_tokens=max(1, ids.numel()), dtype=dtype, device=device
+    )
+    branch.bounds = tuple(bounds)
+    if branch.conv is not None:
+        shape = (branch.conv.shape[0], len(bounds) + 1)
+        branch.conv = branch.conv.new_zeros(*shape, *branch.conv.shape[2:])
+        branch.recurrent = branch.recurrent.new_zeros(*shape, *branch.recurrent.shape[2:])
+        branch.conv[:, 0] = prompt.conv[:, prompt.num_shards]
+        branch.recurrent[:, 0] = prompt.recurrent[:, prompt.num_shards]
+    return branch
+
+
+def _segment_cache(
+    prompt: PrefixState,
+    branch: PrefixState,
+    k: int,
+    *,
+    prompt_cotangent: PromptCotangent | None,
+    branch_cotangent: PromptCotangent | None,
+    on_update: Callable[[str, int], Callable[..., None]],
+) -> tuple[StateCache, dict[int, tuple[torch.Tensor, ...]]]:
+    """The cache of segment k and, with autograd (`branch_cotangent` given), its leaves:
+    {linear slot: (conv, recurrent)} at the segment start and {mla slot: (latent, rope)} of
+    the earlier branch positions."""
+    spec = prompt.spec
+    a, _ = branch.bounds[k]
+    grad = branch_cotangent is not None
+    layers: list = [None] * spec.num_layers
+    leaves: dict = {"linear": {}, "mla": {}}
+    if spec.full_attention is not None:
+        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
+            extra = (
+                branch.keys[slot, :a],
+                branch.values[slot, :a],
+                branch_cotangent.keys[slot, :a] if grad else None,
+                branch_cotangent.values[slot, :a] if grad else None,
+            )
+            layers[layer_idx] = SegmentAttentionLayer(
+                prompt.keys[slot],
+                prompt.values[slot],
+                grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
+                grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
+                extra_prefix=extra,
+                on_update=on_update("kv", slot),
+            )
+    if spec.linear_attention is not None:
+        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
+            conv, recurrent = branch.conv[slot, k], branch.recurrent[slot, k]
+            if grad:
+                conv = conv.detach().requires_grad_(True)
+                recurrent = recurrent.detach().requires_grad_(True)
+                leaves["linear"][slot] = (conv, recurrent)
+            layers[layer_idx] = ForkedLinearAttentionLayer(
+                conv.unsqueeze(0),
+                recurrent.unsqueeze(0),
+                on_conv=on_update("conv", slot),
+                on_recurrent=on_update("recurrent", slot),
+            )
+    if spec.mla is not None:
+        mla = spec.mla
+        for slot, layer_idx in enumerate(mla.layer_indices):
+            index_slot = (
+                mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+            )
+            latent, rope = branch.latent[slot, :a], branch.rope_key[slot, :a]
+            if grad:
+                latent = latent.detach().requires_grad_(True)
+                rope = rope.detach().requires_grad_(True)
+                leaves["mla"][slot] = (latent, rope)
+            index = None if index_slot is None else branch.indexer_key[index_slot, :a]
+            layers[layer_idx] = SegmentMlaLayer(
+                prompt.latent[slot],
+                prompt.rope_key[slot],
+                None if index_slot is None else prompt.indexer_key[index_slot],
+                grad_latent_TR=None if prompt_cotangent is None else prompt_cotangent.latent[slot],
+                grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
+                on_update=on_update("mla", slot),
+                earlier=(latent, rope, index),
+            )
+    return StateCache(layers, position_offset=prompt.num_tokens + a), leaves
+
+
+def _writer(branch: PrefixState, k: int) -> Callable[[str, int], Callable[..., None]]:
+    """Callbacks that store segment k's new state into the branch state (no autograd)."""
+    a, b = branch.bounds[k]
+    mla = branch.spec.mla
+
+    def on_update(kind: str, slot: int) -> Callable[..., None]:
+        def write(*tensors: torch.Tensor) -> None:
+            if kind == "kv":
+                branch.keys[slot, a:b] = tensors[0][0].transpose(0, 1)
+                branch.values[slot, a:b] = tensors[1][0].transpose(0, 1)
+            elif kind == "conv":
+                branch.conv[slot, k + 1] = tensors[0][0]
+            elif kind == "recurrent":
+                branch.recurrent[slot, k + 1] = tensors[0][0]
+            else:
+                branch.latent[slot, a:b] = tensors[0][0]
+                branch.rope_key[slot, a:b] = tensors[1][0]
+                layer_idx = mla.layer_indices[slot]
+                if layer_idx in mla.indexer_layer_indices:
+                    branch.indexer_key[mla.indexer_slot(layer_idx), a:b] = tensors[2][0]
+
+        return write
+
+    return on_update
+
+
+def _require_equal(what: str, recomputed: torch.Tensor, stored: torch.Tensor, k: int) -> None:
+    if not torch.equal(recomputed.detach(), stored):
+        diff = (recomputed.detach().float() - stored.float()).abs()
+        raise StateMismatchError(
+            f"branch segment {k}: recomputed {what} differs from the forward's "
+            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
+            "run with deterministic kernels"
+        )
+
+
+def segmented_branch_backward(
+    model: PreTrainedModel,
+    prompt: PrefixState,
+    response_ids: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    segment_tokens: int,
+    temperature: float = 1.0,
+    cotangent: PromptCotangent | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Replay one branch in segments and backpropagate `loss_fn(logp [R])` through it.
+
+    Returns (log-probs [R] detached, the loss (0-d, detached), the loss's stats). Parameter
+    gradients accumulate as in `loss.backward()`; with `cotangent` (exact mode) the cotangent
+    of the prompt state the branch read is added into it, including its final linear-attention
+    state (what `BranchCache.add_leaf_grads_into` does for a whole-branch replay). A prefix
+    tree of one branch (`longstraw.engine.branch_tree`).
+    """
+    from longstraw.engine.branch_tree import tree_group_backward
+
+    (result,) = tree_group_backward(
+        model,
+        prompt,
+        [response_ids],
+        lambda i, logp: loss_fn(logp),
+        segment_tokens=segment_tokens,
+        temperature=temperature,
+        cotangent=cotangent,
+    )
+    return result
+
+
+def _segment_backward(
+    model, prompt, branch, k, response, input_ids, grad_logp, logp, temperature, cotangent, bcot
+) -> None:
+    """Recompute segment k with autograd, check it, backpropagate its outputs' cotangents."""
+    spec = prompt.spec
+    a, b = branch.bounds[k]
+    outputs: list[tuple[str, int, torch.Tensor]] = []
+
+    def capture(kind: str, slot: int) -> Callable[..., None]:
+        def record(*tensors: torch.Tensor) -> None:
+            names = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}
+            kinds = names.get(kind, (kind,))
+            outputs.extend(
+                (n, slot, t) for n, t in zip(kinds, tensors, strict=True) if t is not None
+            )
+
+        return record
+
+    with torch.enable_grad():
+        cache, leaves = _segment_cache(
+            prompt,
+            branch,
+            k,
+            prompt_cotangent=cotangent,
+            branch_cotangent=bcot,
+            on_update=capture,
+        )
+        logits = replay_logits(model, prompt, input_ids[a:b].unsqueeze(0), cache)
+        logp_seg = token_logprobs(logits, response[a:b].unsqueeze(0), temperature)[0]
+        del logits
+    _require_equal("log-probs", logp_seg, logp[a:b], k)
+    tensors, grads = [logp_seg], [grad_logp[a:b].to(logp_seg.dtype)]
+    for kind, slot, tensor in outputs:
+        if kind in ("k", "v"):
+            stored = (branch.keys if kind == "k" else branch.values)[slot, a:b]
+            cot = (bcot.keys if kind == "k" else bcot.values)[slot, a:b]
+            recomputed = tensor[0].transpose(0, 1)
+        elif kind in ("latent", "rope_key"):
+            stored, cot = getattr(branch, kind)[slot, a:b], getattr(bcot, kind)[slot, a:b]
+            recomputed = tensor[0]
+        elif kind == "indexer_key":
+            layer_idx = spec.mla.layer_indices[slot]
+            stored = branch.indexer_key[spec.mla.indexer_slot(layer_idx), a:b]
+            cot, recomputed = None, tensor[0]
+        else:
+            stored = getattr(branch, kind)[slot, k + 1]
+            cot, recomputed = getattr(bcot, kind)[slot], tensor[0]
+        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, k)
+        if cot is not None and recomputed.requires_grad:
+            tensors.append(recomputed)
+            grads.append(cot.to(recomputed.dtype))
+    torch.autograd.backward(tensors, grads)
+
+    for slot, (latent, rope) in leaves["mla"].items():
+        if latent.grad is not None:
+            bcot.latent[slot, :a] += latent.grad.float()
+        if rope.grad is not None:
+            bcot.rope_key[slot, :a] += rope.grad.float()
+    for slot, (conv, recurrent) in leaves["linear"].items():
+        # The start state of segment k is read by nothing else: its cotangent replaces the
+        # end's (the caller hands that of the first segment on: parent node or prompt).
+        bcot.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()
+        bcot.recurrent[slot] = 0.0 if recurrent.grad is None else recurrent.grad.float()
