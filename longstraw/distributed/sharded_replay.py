@@ -34,7 +34,7 @@ from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent, token_logprobs
-from longstraw.engine.sweep import StateMismatchError, mlps_recomputed_in_blocks
+from longstraw.engine.sweep import RecomputedStateMismatchError, mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
@@ -161,7 +161,7 @@ def sharded_branch_logprobs(
 def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
     if not torch.equal(recomputed.detach(), stored):
         diff = (recomputed.detach().float() - stored.float()).abs()
-        raise StateMismatchError(
+        raise RecomputedStateMismatchError(
             f"shard {shard}: recomputed {name} differs from this rank's stored state "
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
             "recompute the sharded prefill with the same weights, dtype, ranks and shard size"

@@ -43,14 +43,15 @@ SWEEP_BLOCK_TOKENS = BLOCK_TOKENS
 _MARK = "longstraw_blockwise"
 
 
-class StateMismatchError(RuntimeError):
-    """The recomputed shard did not reproduce the stored prompt state bitwise."""
+class RecomputedStateMismatchError(RuntimeError):
+    """The recomputed shard did not reproduce the stored prompt state bitwise (a state whose
+    recorded key does not match is `longstraw.storage.errors.StateKeyMismatchError`)."""
 
 
 def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
     if not torch.equal(recomputed.detach(), stored):
         diff = (recomputed.detach().float() - stored.float()).abs()
-        raise StateMismatchError(
+        raise RecomputedStateMismatchError(
             f"shard {shard}: recomputed {name} differs from the stored prompt state "
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
             "computed with other weights, dtype or kernels: recompute the prefill"
