@@ -23,9 +23,9 @@ from longstraw.storage import (
     open_state_writer,
     verify_state,
 )
-from longstraw.storage.state_commands import state_app
 from longstraw.storage.codec import chunk_key
 from longstraw.storage.paths import filesystem
+from longstraw.storage.state_commands import state_app
 
 
 def _write(root_uri, dtype="bfloat16", version=4, prompt="p"):
