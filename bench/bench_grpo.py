@@ -9,7 +9,7 @@ A thin entry point: the suites live in `longstraw.bench` (also `longstraw bench 
     .venv/bin/python bench/bench_grpo.py plot && .venv/bin/python bench/bench_grpo.py report
 """
 
-from longstraw.bench.cli import bench_app
+from longstraw.bench.commands import bench_app
 
 if __name__ == "__main__":
     bench_app()

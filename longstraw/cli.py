@@ -113,13 +113,13 @@ def _error_line(message: str, prefix: str = "error: ") -> None:
 
 
 def _mount_optional_apps() -> None:
-    from longstraw.storage.cli import state_app
+    from longstraw.storage.state_commands import state_app
 
     app.add_typer(
         state_app, name="state", help="Inspect, verify and garbage-collect persisted prompt states."
     )
     try:
-        from longstraw.bench.cli import bench_app
+        from longstraw.bench.commands import bench_app
     except ImportError:  # benchmarks are optional in a stripped install
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks against full-sequence GRPO and TRL.")

@@ -1,3 +1,3 @@
-from longstraw.bench.cli import bench_app
+from longstraw.bench.commands import bench_app
 
 bench_app()

@@ -9,7 +9,7 @@ from longstraw.data.jsonl import (
     read_response_file,
     write_jsonl,
 )
-from longstraw.data.rewards import REWARDS, haystack_exact, haystack_partial
+from longstraw.data.rewards import haystack_exact, haystack_partial, register_haystack_rewards
 from longstraw.data.tasks import (
     TaskExample,
     generate_task,
@@ -20,7 +20,6 @@ from longstraw.data.tasks import (
 )
 
 __all__ = [
-    "REWARDS",
     "DataFormatError",
     "HaystackTaskConfig",
     "PromptRecord",
@@ -33,6 +32,7 @@ __all__ = [
     "haystack_partial",
     "read_prompt_dataset",
     "read_response_file",
+    "register_haystack_rewards",
     "register_task",
     "task_names",
     "write_jsonl",

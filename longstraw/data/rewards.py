@@ -1,8 +1,8 @@
 """Rewards for the haystack tasks: exact match and partial credit.
 
 Every reward has the signature `(prompt: str, response: str, metadata: dict) -> float` in
-[0, 1]; `REWARDS` maps the names the trainer registers ("haystack_exact", "haystack_partial")
-to them. They read the expected values from `metadata["values"]` (a list of strings, written by
+[0, 1]; `register_haystack_rewards()` registers them in the reward registry
+(`longstraw.grpo.rewards`) as "haystack_exact", "haystack_partial" and "haystack_shaped". They read the expected values from `metadata["values"]` (a list of strings, written by
 the generator) or, for user datasets, parse them out of `metadata["answer"]` (plain "A, B" or
 JSON '"A"' / '["A", "B"]').
 
@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Callable
 from typing import Any
+
+from longstraw.grpo.rewards import register_reward
 
 _RUN = re.compile(r"[A-Za-z0-9]+")
 
@@ -170,21 +171,12 @@ def haystack_shaped(prompt: str, response: str, metadata: dict[str, Any]) -> flo
     return 0.5 * sum(c in alphabet for c in chars) / len(chars)
 
 
-REWARDS: dict[str, Callable[[str, str, dict[str, Any]], float]] = {
-    "haystack_exact": haystack_exact,
-    "haystack_partial": haystack_partial,
-    "haystack_shaped": haystack_shaped,
-}
-"""Reward name -> function, for the trainer's registry (`longstraw.grpo.rewards`)."""
+def register_haystack_rewards() -> None:
+    """Register the three haystack rewards under their names (repeated calls are no-ops).
 
-
-def _register_builtin_rewards() -> None:
-    from longstraw.grpo.rewards import REWARDS as REWARD_REGISTRY
-    from longstraw.grpo.rewards import register_reward
-
-    for name, fn in REWARDS.items():
-        if name not in REWARD_REGISTRY:
-            register_reward(name)(fn)
-
-
-_register_builtin_rewards()
+    The trainer calls this before it resolves `data.rewards`; call it yourself to score with
+    `longstraw.grpo.rewards.score_group(["haystack_exact"], ...)` outside a run.
+    """
+    register_reward("haystack_exact", haystack_exact)
+    register_reward("haystack_partial", haystack_partial)
+    register_reward("haystack_shaped", haystack_shaped)

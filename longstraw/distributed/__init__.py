@@ -7,7 +7,7 @@ See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
 `persisted_sharded_prefill` (one writer per chunk, resume), `wavefront_prefill` (the same
 state on a layer wavefront: all ranks compute at once), `sharded_sample_responses`
 (rollout over the sharded prefix), `sharded_branch_logprobs`,
-`sharded_sweep`, `sharded_group_gradients`, `reduce_gradients`,
+`sharded_sweep`, `sharded_group_gradients`, `all_reduce_rank_gradients`,
 `sharded_group_gradient_slices` (fp32 accumulators sharded over the sequence group,
 `longstraw.distributed.gradient_slices`), `scatter_state` / `gather_state`; FSDP2 over a
 ("data", "seq") mesh in `longstraw.distributed.fsdp`.
@@ -20,7 +20,7 @@ from longstraw.distributed.persisted_sharded_prefill import (
     persisted_sharded_prefill,
 )
 from longstraw.distributed.sharded_group import (
-    reduce_gradients,
+    all_reduce_rank_gradients,
     sharded_group_gradient_slices,
     sharded_group_gradients,
 )
@@ -49,10 +49,10 @@ __all__ = [
     "ShardedPrefillOutcome",
     "ShardedPrefixState",
     "SliceLayout",
+    "all_reduce_rank_gradients",
     "gather_state",
     "persisted_sharded_prefill",
     "rank_shard_ranges",
-    "reduce_gradients",
     "run_on_ranks",
     "scatter_state",
     "sharded_branch_logprobs",

@@ -3,7 +3,7 @@
 Parameters, their gradients and the optimizer state live sharded over "data" (each data rank
 holds a 1/N_data slice of every tensor, `torch.distributed.tensor.DTensor`). The sequence
 dimension keeps its own reduction: its ranks split ONE group's prompt and SUM their partial
-gradients with the branch part counted once (`reduce_gradients`), which FSDP's averaging
+gradients with the branch part counted once (`all_reduce_rank_gradients`), which FSDP's averaging
 reduce-scatter cannot express. So one group step is:
 
 1. `unsharded_parameters(model)`: FSDP all-gathers every parameter once (one collective per

@@ -47,7 +47,7 @@ from longstraw.schemas.storage import (
 from longstraw.storage import (
     BackgroundStateWriter,
     ShardData,
-    StateMismatchError,
+    StateKeyMismatchError,
     open_persisting_writer,
     read_manifest,
 )
@@ -153,7 +153,7 @@ def _adopt_boundary_shard(writer, state: ShardedPrefixState, timeout_s: float) -
     for name, piece in data.checkpoints.items():
         handed = sharded_state_tensors(state)[name][:, 0]
         if not torch.equal(piece, handed.cpu()):
-            raise StateMismatchError(
+            raise StateKeyMismatchError(
                 f"recorded shard {previous} ends in another {name!r} than the state rank "
                 f"{state.rank - 1} handed to rank {state.rank}: the recorded shards do not come "
                 "from this computation (other weights or a different attempt); gc the directory"

@@ -55,14 +55,16 @@ from longstraw.grpo.losses import BranchStats
 from longstraw.schemas.grpo import GRPOConfig
 
 
-def reduce_gradients(
+def all_reduce_rank_gradients(
     branch: GradBuffer,
     sweep: GradBuffer,
     *,
     sequence_group: dist.ProcessGroup | None = None,
     data_group: dist.ProcessGroup | None = None,
 ) -> GradBuffer:
-    """Sum over the sequence group (branch part from its rank 0 only), average over data."""
+    """Sum over the sequence group (branch part from its rank 0 only), average over data: the
+    cross-rank reduction inside one group's step. (The training stage `reduce_gradients` sums
+    the stored contributions of a step's groups.)"""
     first = dist.get_rank(sequence_group) == 0
     for name, grad in sweep.grads.items():
         if first:
@@ -168,7 +170,7 @@ def sharded_group_replay(
                 group=group,
                 after_shard=lambda _: drain_grads_into(params, sweep_grads),
             )
-    reduced = reduce_gradients(
+    reduced = all_reduce_rank_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
     return reduced, record

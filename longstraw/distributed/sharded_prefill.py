@@ -26,7 +26,8 @@ from longstraw.distributed.cross_rank_attention import (
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
 from longstraw.distributed.sharded_state import ShardedPrefixState
-from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
+from longstraw.engine.cache import StateCache
+from longstraw.engine.layer_kinds import prefill_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import state_spec
@@ -93,60 +94,6 @@ def serve_shard(
     )  # fmt: skip
 
 
-def owner_cache(
-    state: ShardedPrefixState,
-    shard: int,
-    *,
-    group,
-    kv_hook: Callable[[int], Callable] | None = None,
-    linear_layers: Callable[[int, int], ForkedLinearAttentionLayer] | None = None,
-    cotangent=None,
-    mla_hook: Callable[[int], Callable] | None = None,
-    mla_layer_class: type[CrossRankMlaLayer] = CrossRankMlaLayer,
-) -> StateCache:
-    """The `StateCache` the owner of `shard` runs it with (prefill: writes; sweep: captures).
-
-    `mla_layer_class`: GLM-5's layer type, a subclass where a schedule exchanges otherwise
-    (the wavefront's pauses instead of the owner's collectives)."""
-    spec = state.spec
-    local = shard - state.shards[0]
-    start = state.bounds[shard][0]
-    layers: list = [None] * spec.num_layers
-    end = local_prefix_end(state, shard)
-    if spec.full_attention is not None:
-        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-            layers[layer_idx] = CrossRankAttentionLayer(
-                state.keys[slot, :end],
-                state.values[slot, :end],
-                group=group,
-                owner=state.rank,
-                slot=slot,
-                grad_k_TKD=None if cotangent is None else cotangent.keys[slot, :end],
-                grad_v_TKD=None if cotangent is None else cotangent.values[slot, :end],
-                on_update=None if kv_hook is None else kv_hook(slot),
-            )
-    if spec.linear_attention is not None:
-        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-            layers[layer_idx] = linear_layers(slot, local)
-    if spec.mla is not None:
-        mla = spec.mla
-        for slot, layer_idx in enumerate(mla.layer_indices):
-            has_indexer = layer_idx in mla.indexer_layer_indices
-            layers[layer_idx] = mla_layer_class(
-                state.latent[slot, :end],
-                state.rope_key[slot, :end],
-                state.indexer_key[mla.indexer_slot(layer_idx), :end] if has_indexer else None,
-                group=group,
-                owner=state.rank,
-                num_prefix=start,
-                local_start=state.token_start,
-                grad_latent_TR=None if cotangent is None else cotangent.latent[slot, :end],
-                grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot, :end],
-                on_update=None if mla_hook is None else mla_hook(slot),
-            )
-    return StateCache(layers, position_offset=start)
-
-
 def owner_prefill_cache(
     state: ShardedPrefixState,
     shard: int,
@@ -154,50 +101,32 @@ def owner_prefill_cache(
     group,
     mla_layer_class: type[CrossRankMlaLayer] = CrossRankMlaLayer,
 ) -> StateCache:
-    """`owner_cache` whose layers write `shard`'s K/V (GLM-5: latents, rope and indexer keys)
-    and its end-of-shard linear checkpoints into this rank's `state`: what the owner runs the
-    shard's forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
+    """The layers that write `shard`'s K/V (GLM-5: latents, rope and indexer keys) and its
+    end-of-shard linear checkpoints into this rank's `state`: what the owner runs the shard's
+    forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
     start, end = state.bounds[shard]
-    rows = slice(start - state.token_start, end - state.token_start)
-
-    def kv_hook(slot: int):
-        def write(k_BKSD, v_BKSD):
-            state.keys[slot, rows] = k_BKSD[0].transpose(0, 1)
-            state.values[slot, rows] = v_BKSD[0].transpose(0, 1)
-
-        return write
-
-    def mla_hook(slot: int):
-        mla = state.spec.mla
-        layer_idx = mla.layer_indices[slot]
-        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
-
-        def write(latent_BSR, rope_BSE, index_BSD):
-            state.latent[slot, rows] = latent_BSR[0]
-            state.rope_key[slot, rows] = rope_BSE[0]
-            if index_slot is not None:
-                state.indexer_key[index_slot, rows] = index_BSD[0]
-
-        return write
-
-    def linear_layer(slot: int, local: int) -> ForkedLinearAttentionLayer:
-        def write_conv(tail_BCW):
-            state.conv[slot, local + 1] = tail_BCW[0]
-
-        def write_recurrent(rec_BHKV):
-            state.recurrent[slot, local + 1] = rec_BHKV[0]
-
-        return ForkedLinearAttentionLayer(
-            state.conv[slot, local].unsqueeze(0),
-            state.recurrent[slot, local].unsqueeze(0),
-            on_conv=write_conv,
-            on_recurrent=write_recurrent,
-        )
-
-    return owner_cache(
-        state, shard, group=group, kv_hook=kv_hook, linear_layers=linear_layer, mla_hook=mla_hook,
-        mla_layer_class=mla_layer_class,
-    )  # fmt: skip
+    offset = state.token_start
+    ranks = {"group": group, "owner": state.rank}
+    layers = prefill_layers(
+        state,
+        prefix_end=local_prefix_end(state, shard),
+        rows=slice(start - offset, end - offset),
+        checkpoint=shard - state.shards[0],
+        kind_kwargs={
+            "full_attention": lambda slot: {
+                "layer_class": CrossRankAttentionLayer,
+                "slot": slot,
+                **ranks,
+            },
+            "mla": {
+                "layer_class": mla_layer_class,
+                "num_prefix": start,
+                "local_start": offset,
+                **ranks,
+            },
+        },
+    )
+    return StateCache(layers, position_offset=start)
 
 
 def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:

@@ -27,14 +27,15 @@ from longstraw.distributed.cross_rank_attention import (
     finish_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
-from longstraw.distributed.sharded_prefill import owner_cache, serve_shard
+from longstraw.distributed.sharded_prefill import local_prefix_end, serve_shard
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.layer_kinds import branch_layers, sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent, token_logprobs
-from longstraw.engine.sweep import StateMismatchError, mlps_recomputed_in_blocks
+from longstraw.engine.sweep import RecomputedStateMismatchError, mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
@@ -71,47 +72,23 @@ class ShardedBranch:
         keep_branch: bool = False,
         batch_size: int = 1,
     ) -> None:
-        spec = state.spec
-        layers: list = [None] * spec.num_layers
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if spec.full_attention is not None:
-            for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-                layers[layer_idx] = CrossRankAttentionLayer(
-                    state.keys[slot],
-                    state.values[slot],
-                    group=group,
-                    owner=None,
-                    grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
-                    grad_v_TKD=None if cotangent is None else cotangent.values[slot],
-                    keep_branch=keep_branch,
-                )
-        if spec.linear_attention is not None:
-            for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-                conv, recurrent = state.final_conv[slot], state.final_recurrent[slot]
-                if cotangent is not None:
-                    conv = conv.detach().requires_grad_(True)
-                    recurrent = recurrent.detach().requires_grad_(True)
-                    self.leaves[slot] = (conv, recurrent)
-                layers[layer_idx] = ForkedLinearAttentionLayer(
-                    conv.unsqueeze(0).expand(batch_size, -1, -1),
-                    recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
-                )
-        if spec.mla is not None:
-            mla = spec.mla
-            for slot, layer_idx in enumerate(mla.layer_indices):
-                has_indexer = layer_idx in mla.indexer_layer_indices
-                layers[layer_idx] = CrossRankMlaLayer(
-                    state.latent[slot],
-                    state.rope_key[slot],
-                    state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
-                    group=group,
-                    owner=None,
-                    num_prefix=state.num_tokens,
-                    local_start=state.token_start,
-                    grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
-                    grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
-                    keep_branch=keep_branch,
-                )
+        ranks = {"group": group, "owner": None, "keep_branch": keep_branch}
+        layers = branch_layers(
+            state,
+            cotangent,
+            leaves=self.leaves,
+            batch_size=batch_size,
+            kind_kwargs={
+                "full_attention": {"layer_class": CrossRankAttentionLayer, **ranks},
+                "mla": {
+                    "layer_class": CrossRankMlaLayer,
+                    "num_prefix": state.num_tokens,
+                    "local_start": state.token_start,
+                    **ranks,
+                },
+            },
+        )
         self.cache = StateCache(layers, position_offset=state.num_tokens)
 
     def add_leaf_grads_into(self, cotangent: PromptCotangent) -> None:
@@ -161,7 +138,7 @@ def sharded_branch_logprobs(
 def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
     if not torch.equal(recomputed.detach(), stored):
         diff = (recomputed.detach().float() - stored.float()).abs()
-        raise StateMismatchError(
+        raise RecomputedStateMismatchError(
             f"shard {shard}: recomputed {name} differs from this rank's stored state "
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
             "recompute the sharded prefill with the same weights, dtype, ranks and shard size"
@@ -189,17 +166,6 @@ def _sweep_owned_shard(
 
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def linear_leaf(slot: int, local_index: int) -> ForkedLinearAttentionLayer:
-        conv = state.conv[slot, local_index].detach().requires_grad_(True)
-        recurrent = state.recurrent[slot, local_index].detach().requires_grad_(True)
-        leaves[slot] = (conv, recurrent)
-        return ForkedLinearAttentionLayer(
-            conv.unsqueeze(0),
-            recurrent.unsqueeze(0),
-            on_conv=lambda t, slot=slot: outputs.append(("conv", slot, t)),
-            on_recurrent=lambda t, slot=slot: outputs.append(("recurrent", slot, t)),
-        )
-
     def mla_hook(slot: int):
         def record(latent_BSR, rope_BSE, index_BSD):
             outputs.extend((("latent", slot, latent_BSR), ("rope_key", slot, rope_BSE)))
@@ -217,15 +183,35 @@ def _sweep_owned_shard(
         delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
         mlps_recomputed_in_blocks(model),
     ):
-        cache = owner_cache(
+        ranks = {"group": group, "owner": state.rank}
+        layers = sweep_layers(
             state,
-            shard,
-            group=group,
-            kv_hook=kv_hook,
-            linear_layers=linear_leaf,
-            cotangent=cotangent,
-            mla_hook=mla_hook,
+            cotangent,
+            prefix_end=local_prefix_end(state, shard),
+            checkpoint=local,
+            leaves=leaves,
+            kind_kwargs={
+                "full_attention": lambda slot: {
+                    "layer_class": CrossRankAttentionLayer,
+                    "slot": slot,
+                    "on_update": kv_hook(slot),
+                    **ranks,
+                },
+                "linear_attention": lambda slot: {
+                    "layer_class": ForkedLinearAttentionLayer,
+                    "on_conv": lambda t: outputs.append(("conv", slot, t)),
+                    "on_recurrent": lambda t: outputs.append(("recurrent", slot, t)),
+                },
+                "mla": lambda slot: {
+                    "layer_class": CrossRankMlaLayer,
+                    "num_prefix": start,
+                    "local_start": offset,
+                    "on_update": mla_hook(slot),
+                    **ranks,
+                },
+            },
         )
+        cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
 
     tensors, grads = [], []

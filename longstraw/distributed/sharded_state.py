@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longstraw.engine.layer_kinds import allocate_state_arrays
 from longstraw.engine.state import PrefixState, shard_bounds
 from longstraw.models.adapters import StateSpec
 
@@ -122,51 +123,20 @@ class ShardedPrefixState:
         bounds = shard_bounds(prompt_ids.numel() - 1, shard_tokens)
         shards = rank_shard_ranges(len(bounds), world_size)[rank]
         num_local = bounds[shards[-1]][1] - bounds[shards[0]][0]
-        keys = values = conv = recurrent = final_conv = final_recurrent = None
-        if spec.full_attention is not None:
-            fa = spec.full_attention
-            layers = len(fa.layer_indices)
-            keys = torch.empty(
-                layers, num_local, fa.num_kv_heads, fa.head_dim, dtype=dtype, device=device
-            )
-            values = torch.empty(
-                layers, num_local, fa.num_kv_heads, fa.value_head_dim, dtype=dtype, device=device
-            )
-        if spec.linear_attention is not None:
-            la = spec.linear_attention
-            layers = len(la.layer_indices)
-            conv = torch.zeros(
-                layers, len(shards) + 1, la.conv_dim, la.conv_tail, dtype=dtype, device=device
-            )
-            recurrent = torch.zeros(
-                layers,
-                len(shards) + 1,
-                la.num_value_heads,
-                la.key_head_dim,
-                la.value_head_dim,
-                dtype=torch.float32,
-                device=device,
-            )
-            final_conv = torch.zeros_like(conv[:, 0])
-            final_recurrent = torch.zeros_like(recurrent[:, 0])
-        latent = rope_key = indexer_key = None
-        if spec.mla is not None:
-            mla = spec.mla
-            layers = len(mla.layer_indices)
-            latent = torch.empty(layers, num_local, mla.kv_lora_rank, dtype=dtype, device=device)
-            rope_key = torch.empty(layers, num_local, mla.rope_dim, dtype=dtype, device=device)
-            indexer_key = torch.empty(
-                len(mla.indexer_layer_indices),
-                num_local,
-                mla.index_head_dim,
-                dtype=dtype,
-                device=device,
-            )
+        arrays = allocate_state_arrays(
+            spec, num_tokens=num_local, num_checkpoints=len(shards) + 1, dtype=dtype, device=device
+        )
+        conv, recurrent = arrays["conv"], arrays["recurrent"]
+        final_conv = None if conv is None else torch.zeros_like(conv[:, 0])
+        final_recurrent = None if recurrent is None else torch.zeros_like(recurrent[:, 0])
         return cls(
             spec, prompt_ids.cpu(), shard_tokens, bounds, rank, world_size, shards,
-            keys, values, conv, recurrent, final_conv, final_recurrent,
-            latent, rope_key, indexer_key,
+            final_conv=final_conv, final_recurrent=final_recurrent, **arrays,
         )  # fmt: skip
+
+    def final_linear_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C, W], [H, Dk, Dv]) Gated DeltaNet layer `slot`'s state after the whole prompt."""
+        return self.final_conv[slot], self.final_recurrent[slot]
 
 
 def scatter_state(state: PrefixState, rank: int, world_size: int) -> ShardedPrefixState:

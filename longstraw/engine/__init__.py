@@ -5,15 +5,15 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, branch_logprobs
 from longstraw.engine.rollout import Response, SamplingParams, sample_responses, score_responses
 from longstraw.engine.state import PrefixState, shard_bounds
-from longstraw.engine.sweep import StateMismatchError, sweep_prompt_shards
+from longstraw.engine.sweep import RecomputedStateMismatchError, sweep_prompt_shards
 
 __all__ = [
     "GradBuffer",
     "PrefixState",
     "PromptCotangent",
+    "RecomputedStateMismatchError",
     "Response",
     "SamplingParams",
-    "StateMismatchError",
     "accumulate_group_gradients",
     "branch_logprobs",
     "prefill",

@@ -32,6 +32,7 @@ from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
+from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.grpo.losses import branch_loss, reduce_stats, sequence_weights
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.grpo import GRPOConfig
@@ -39,41 +40,6 @@ from longstraw.schemas.results import GroupStats, StageSeconds
 
 PromptGrad = Literal["exact", "detached"]
 PROMPT_GRAD_MODES = ("exact", "detached")
-
-
-class GradBuffer:
-    """fp32 gradient accumulators for a model's trainable parameters, by parameter name."""
-
-    def __init__(self, model: PreTrainedModel):
-        # zeros_like keeps a sharded parameter's layout (an FSDP2 DTensor gets a DTensor buffer
-        # holding only its local shard), so draining sharded gradients adds shard to shard.
-        self.grads: dict[str, torch.Tensor] = {
-            name: torch.zeros_like(p, dtype=torch.float32).detach()
-            for name, p in model.named_parameters()
-            if p.requires_grad
-        }
-
-    @classmethod
-    def from_tensors(cls, grads: dict[str, torch.Tensor]) -> GradBuffer:
-        """A buffer over existing fp32 tensors (a stored contribution), without copying."""
-        buffer = cls.__new__(cls)
-        buffer.grads = dict(grads)
-        return buffer
-
-    def add_(self, other: GradBuffer) -> GradBuffer:
-        for name, grad in other.grads.items():
-            self.grads[name] += grad
-        return self
-
-    def into_param_grads(self, model: PreTrainedModel) -> None:
-        """Add these gradients to each parameter's `.grad` (cast to the parameter's dtype)."""
-        for name, p in model.named_parameters():
-            if name in self.grads:
-                grad = self.grads[name].to(p.dtype)
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
 
 
 def drain_grads_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer) -> None:

@@ -18,12 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
-from longstraw.engine.cache import (
-    ForkedLinearAttentionLayer,
-    PrefixAttentionLayer,
-    PrefixMlaLayer,
-    StateCache,
-)
+from longstraw.engine.cache import StateCache
+from longstraw.engine.layer_kinds import prefill_layers
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import decoder_of, state_spec
@@ -34,53 +30,7 @@ ShardCallback = Callable[[PrefixState, int], None]
 def _shard_cache(state: PrefixState, shard: int) -> StateCache:
     """Layers that read the state before `shard` and write this shard's part of it."""
     start, end = state.bounds[shard]
-    spec = state.spec
-    layers: list = [None] * spec.num_layers
-    if spec.full_attention is not None:
-        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-
-            def write_kv(k_BKSD, v_BKSD, slot=slot):
-                state.keys[slot, start:end] = k_BKSD[0].transpose(0, 1)
-                state.values[slot, start:end] = v_BKSD[0].transpose(0, 1)
-
-            layers[layer_idx] = PrefixAttentionLayer(
-                state.keys[slot, :start], state.values[slot, :start], on_update=write_kv
-            )
-    if spec.linear_attention is not None:
-        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-
-            def write_conv(tail_BCW, slot=slot):
-                state.conv[slot, shard + 1] = tail_BCW[0]
-
-            def write_recurrent(rec_BHKV, slot=slot):
-                state.recurrent[slot, shard + 1] = rec_BHKV[0]
-
-            layers[layer_idx] = ForkedLinearAttentionLayer(
-                state.conv[slot, shard].unsqueeze(0),
-                state.recurrent[slot, shard].unsqueeze(0),
-                on_conv=write_conv,
-                on_recurrent=write_recurrent,
-            )
-    if spec.mla is not None:
-        for slot, layer_idx in enumerate(spec.mla.layer_indices):
-            index_slot = (
-                spec.mla.indexer_slot(layer_idx)
-                if layer_idx in spec.mla.indexer_layer_indices
-                else None
-            )
-
-            def write_mla(latent_BSR, rope_BSE, index_BSD, slot=slot, index_slot=index_slot):
-                state.latent[slot, start:end] = latent_BSR[0]
-                state.rope_key[slot, start:end] = rope_BSE[0]
-                if index_slot is not None:
-                    state.indexer_key[index_slot, start:end] = index_BSD[0]
-
-            layers[layer_idx] = PrefixMlaLayer(
-                state.latent[slot, :start],
-                state.rope_key[slot, :start],
-                None if index_slot is None else state.indexer_key[index_slot, :start],
-                on_update=write_mla,
-            )
+    layers = prefill_layers(state, prefix_end=start, rows=slice(start, end), checkpoint=shard)
     return StateCache(layers, position_offset=start)
 
 

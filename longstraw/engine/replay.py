@@ -19,13 +19,9 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
-from longstraw.engine.cache import (
-    ForkedLinearAttentionLayer,
-    PrefixAttentionLayer,
-    PrefixMlaLayer,
-    StateCache,
-)
+from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.layer_kinds import branch_layers
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
@@ -106,47 +102,18 @@ def branch_cache(
     `keep_branch` (decoding): attention layers keep the rows' own K/V / latents between forwards,
     in buffers preallocated for `branch_capacity` tokens.
     """
-    spec = state.spec
-    layers: list = [None] * spec.num_layers
-    conv_leaves: dict[int, torch.Tensor] = {}
-    recurrent_leaves: dict[int, torch.Tensor] = {}
-    if spec.full_attention is not None:
-        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-            layers[layer_idx] = PrefixAttentionLayer(
-                state.keys[slot],
-                state.values[slot],
-                grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
-                grad_v_TKD=None if cotangent is None else cotangent.values[slot],
-                keep_branch=keep_branch,
-                branch_capacity=branch_capacity,
-            )
-    if spec.linear_attention is not None:
-        final = state.num_shards
-        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-            conv = state.conv[slot, final]
-            recurrent = state.recurrent[slot, final]
-            if cotangent is not None:
-                # detach() is a view: the leaf shares the state's storage, nothing is copied.
-                conv = conv.detach().requires_grad_(True)
-                recurrent = recurrent.detach().requires_grad_(True)
-                conv_leaves[layer_idx], recurrent_leaves[layer_idx] = conv, recurrent
-            layers[layer_idx] = ForkedLinearAttentionLayer(
-                conv.unsqueeze(0).expand(batch_size, -1, -1),
-                recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
-            )
-    if spec.mla is not None:
-        mla = spec.mla
-        for slot, layer_idx in enumerate(mla.layer_indices):
-            has_indexer = layer_idx in mla.indexer_layer_indices
-            layers[layer_idx] = PrefixMlaLayer(
-                state.latent[slot],
-                state.rope_key[slot],
-                state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
-                grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
-                grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
-                keep_branch=keep_branch,
-                branch_capacity=branch_capacity,
-            )
+    attention = {"keep_branch": keep_branch, "branch_capacity": branch_capacity}
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    layers = branch_layers(
+        state,
+        cotangent,
+        leaves=leaves,
+        batch_size=batch_size,
+        kind_kwargs={"full_attention": attention, "mla": attention},
+    )
+    la = state.spec.linear_attention
+    conv_leaves = {la.layer_indices[slot]: conv for slot, (conv, _) in leaves.items()}
+    recurrent_leaves = {la.layer_indices[slot]: rec for slot, (_, rec) in leaves.items()}
     cache = StateCache(layers, position_offset=state.num_tokens)
     return BranchCache(cache, conv_leaves, recurrent_leaves)
 

@@ -45,7 +45,7 @@ from longstraw.engine.cache import (
 )
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.state import PrefixState
-from longstraw.engine.sweep import StateMismatchError
+from longstraw.engine.sweep import RecomputedStateMismatchError
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
 
@@ -210,7 +210,7 @@ def _writer(branch: PrefixState, k: int) -> Callable[[str, int], Callable[..., N
 def _require_equal(what: str, recomputed: torch.Tensor, stored: torch.Tensor, k: int) -> None:
     if not torch.equal(recomputed.detach(), stored):
         diff = (recomputed.detach().float() - stored.float()).abs()
-        raise StateMismatchError(
+        raise RecomputedStateMismatchError(
             f"branch segment {k}: recomputed {what} differs from the forward's "
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
             "run with deterministic kernels"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.engine.layer_kinds import allocate_state_arrays
 from longstraw.models.adapters import StateSpec
 
 
@@ -82,59 +83,14 @@ class PrefixState:
     ) -> PrefixState:
         num_tokens = prompt_ids.numel() - 1
         bounds = shard_bounds(num_tokens, shard_tokens)
-        keys = values = conv = recurrent = None
-        if spec.full_attention is not None:
-            fa = spec.full_attention
-            layers = len(fa.layer_indices)
-            # torch.empty: every position is written by exactly one shard before it is read.
-            keys = torch.empty(
-                layers, num_tokens, fa.num_kv_heads, fa.head_dim, dtype=dtype, device=device
-            )
-            values = torch.empty(
-                layers, num_tokens, fa.num_kv_heads, fa.value_head_dim, dtype=dtype, device=device
-            )
-        if spec.linear_attention is not None:
-            la = spec.linear_attention
-            layers = len(la.layer_indices)
-            # Index 0 is the zero state a sequence starts from (what transformers uses without a cache).
-            conv = torch.zeros(
-                layers, len(bounds) + 1, la.conv_dim, la.conv_tail, dtype=dtype, device=device
-            )
-            recurrent = torch.zeros(
-                layers,
-                len(bounds) + 1,
-                la.num_value_heads,
-                la.key_head_dim,
-                la.value_head_dim,
-                dtype=torch.float32,
-                device=device,
-            )
-        latent = rope_key = indexer_key = None
-        if spec.mla is not None:
-            mla = spec.mla
-            layers = len(mla.layer_indices)
-            latent = torch.empty(layers, num_tokens, mla.kv_lora_rank, dtype=dtype, device=device)
-            rope_key = torch.empty(layers, num_tokens, mla.rope_dim, dtype=dtype, device=device)
-            indexer_key = torch.empty(
-                len(mla.indexer_layer_indices),
-                num_tokens,
-                mla.index_head_dim,
-                dtype=dtype,
-                device=device,
-            )
-        return cls(
-            spec,
-            prompt_ids.cpu(),
-            shard_tokens,
-            bounds,
-            keys,
-            values,
-            conv,
-            recurrent,
-            latent,
-            rope_key,
-            indexer_key,
+        arrays = allocate_state_arrays(
+            spec, num_tokens=num_tokens, num_checkpoints=len(bounds) + 1, dtype=dtype, device=device
         )
+        return cls(spec, prompt_ids.cpu(), shard_tokens, bounds, **arrays)
+
+    def final_linear_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C, W], [H, Dk, Dv]) Gated DeltaNet layer `slot`'s state after the whole prompt."""
+        return self.conv[slot, self.num_shards], self.recurrent[slot, self.num_shards]
 
     @classmethod
     def from_tensors(

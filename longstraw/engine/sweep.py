@@ -24,13 +24,9 @@ import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_attention_enabled
-from longstraw.engine.cache import (
-    PrefixAttentionLayer,
-    PrefixMlaLayer,
-    ShardStartLinearAttentionLayer,
-    StateCache,
-)
+from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
@@ -43,14 +39,15 @@ SWEEP_BLOCK_TOKENS = BLOCK_TOKENS
 _MARK = "longstraw_blockwise"
 
 
-class StateMismatchError(RuntimeError):
-    """The recomputed shard did not reproduce the stored prompt state bitwise."""
+class RecomputedStateMismatchError(RuntimeError):
+    """The recomputed shard did not reproduce the stored prompt state bitwise (a state whose
+    recorded key does not match is `longstraw.storage.errors.StateKeyMismatchError`)."""
 
 
 def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
     if not torch.equal(recomputed.detach(), stored):
         diff = (recomputed.detach().float() - stored.float()).abs()
-        raise StateMismatchError(
+        raise RecomputedStateMismatchError(
             f"shard {shard}: recomputed {name} differs from the stored prompt state "
             f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
             "computed with other weights, dtype or kernels: recompute the prefill"
@@ -205,41 +202,22 @@ def _sweep_shard(
 
         return record
 
-    layers: list = [None] * spec.num_layers
-    if spec.full_attention is not None:
-        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-            layers[layer_idx] = PrefixAttentionLayer(
-                state.keys[slot, :start],
-                state.values[slot, :start],
-                grad_k_TKD=cotangent.keys[slot, :start],
-                grad_v_TKD=cotangent.values[slot, :start],
-                on_update=capture("kv", slot),
-            )
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    if spec.linear_attention is not None:
-        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-            conv_leaf = state.conv[slot, shard].detach().requires_grad_(True)
-            recurrent_leaf = state.recurrent[slot, shard].detach().requires_grad_(True)
-            leaves[slot] = (conv_leaf, recurrent_leaf)
-            layers[layer_idx] = ShardStartLinearAttentionLayer(
-                conv_leaf.unsqueeze(0),
-                recurrent_leaf.unsqueeze(0),
-                on_conv=capture("conv", slot),
-                on_recurrent=capture("recurrent", slot),
-            )
-
-    if spec.mla is not None:
-        mla = spec.mla
-        for slot, layer_idx in enumerate(mla.layer_indices):
-            has_indexer = layer_idx in mla.indexer_layer_indices
-            layers[layer_idx] = PrefixMlaLayer(
-                state.latent[slot, :start],
-                state.rope_key[slot, :start],
-                state.indexer_key[mla.indexer_slot(layer_idx), :start] if has_indexer else None,
-                grad_latent_TR=cotangent.latent[slot, :start],
-                grad_rope_TE=cotangent.rope_key[slot, :start],
-                on_update=capture("mla", slot),
-            )
+    layers = sweep_layers(
+        state,
+        cotangent,
+        prefix_end=start,
+        checkpoint=shard,
+        leaves=leaves,
+        kind_kwargs={
+            "full_attention": lambda slot: {"on_update": capture("kv", slot)},
+            "linear_attention": lambda slot: {
+                "on_conv": capture("conv", slot),
+                "on_recurrent": capture("recurrent", slot),
+            },
+            "mla": lambda slot: {"on_update": capture("mla", slot)},
+        },
+    )
 
     with torch.enable_grad(), sweep_forward(model), layerwise_recompute(model):
         cache = StateCache(layers, position_offset=start)

@@ -16,17 +16,16 @@ from longstraw.grpo.losses import (
     sequence_weights,
 )
 from longstraw.grpo.rewards import (
-    REWARDS,
     RewardFn,
     get_reward,
     register_reward,
+    reward_names,
     score_group,
     score_group_per_func,
 )
 
 __all__ = [
     "LOSSES",
-    "REWARDS",
     "BranchStats",
     "LossFn",
     "LossStats",
@@ -41,6 +40,7 @@ __all__ = [
     "reduce_stats",
     "register_loss",
     "register_reward",
+    "reward_names",
     "score_group",
     "score_group_per_func",
     "sequence_weights",

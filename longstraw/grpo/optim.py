@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.group import GradBuffer
+from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.schemas.grpo import GRPOConfig
 
 

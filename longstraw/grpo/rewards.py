@@ -1,8 +1,11 @@
-"""Reward functions: a registry by name, user functions by `package.module:function`.
+"""Reward functions: the one registry by name, user functions by `package.module:function`.
 
 A reward function scores one response: `(prompt: str, response: str, metadata: dict) -> float`.
-Built-in task rewards register themselves with `@register_reward("name")` (see longstraw/data);
-users point a run at their own function with the spec "package.module:function". No torch here.
+This module owns the registry: `register_reward(name, fn)` (or `@register_reward(name)`) adds a
+function, `get_reward(name)` looks it up. Nothing registers by being imported: the built-in task
+rewards are registered by an explicit call, `longstraw.data.rewards.register_haystack_rewards()`,
+which the trainer makes before it scores; users point a run at their own function with the spec
+"package.module:function" instead. No torch here.
 """
 
 from __future__ import annotations
@@ -17,25 +20,39 @@ from longstraw.errors import UserError
 
 RewardFn = Callable[[str, str, dict], float]
 
-REWARDS: dict[str, RewardFn] = {}
+# Reward name -> function. Private: add with register_reward, read with get_reward / reward_names.
+_REWARDS: dict[str, RewardFn] = {}
+
+_BUILTIN_HINT = (
+    "the built-in haystack rewards are registered by longstraw.data.rewards."
+    "register_haystack_rewards()"
+)
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Register the decorated function as reward `name` (no ':' in names: that marks user specs)."""
+def register_reward(name: str, fn: RewardFn | None = None) -> Any:
+    """Register `fn` as reward `name` and return it; without `fn`, a decorator that does so.
+
+    Names contain no ':' (that marks 'package.module:function' specs). Registering the same
+    function object twice is allowed (a repeated registration call); a different one is not.
+    """
     if not name or ":" in name:
         raise ValueError(f"reward name {name!r} must be non-empty and contain no ':'")
 
     def decorate(fn: RewardFn) -> RewardFn:
-        previous = REWARDS.get(name)
-        # The same function object may register twice (module reloads); a different one may not.
+        previous = _REWARDS.get(name)
         if previous is not None and previous is not fn:
             raise ValueError(
                 f"reward {name!r} is already registered by {_describe(previous)}; pick another name"
             )
-        REWARDS[name] = fn
+        _REWARDS[name] = fn
         return fn
 
-    return decorate
+    return decorate if fn is None else decorate(fn)
+
+
+def reward_names() -> list[str]:
+    """The registered reward names, sorted."""
+    return sorted(_REWARDS)
 
 
 def _describe(fn: Any) -> str:
@@ -76,11 +93,12 @@ def get_reward(spec: str | RewardFn) -> RewardFn:
     if ":" in spec:
         return _import_user_reward(spec)
     try:
-        return REWARDS[spec]
+        return _REWARDS[spec]
     except KeyError:
         raise ValueError(
-            f"unknown reward {spec!r}; registered rewards: {sorted(REWARDS)}; or give a user "
-            "function as 'package.module:function'"
+            f"unknown reward {spec!r} (registered rewards: {reward_names()}; {_BUILTIN_HINT}); "
+            "register it with register_reward(name, fn) or give a user function as "
+            "'package.module:function'"
         ) from None
 
 

@@ -9,7 +9,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from longstraw.orchestration.locks import CrashSafeFileLockManager
 
 # Faults worth retrying: storage and network hiccups. A ValueError (bad input) or a
-# StateMismatchError (wrong weights) fails the same way every time and is not retried.
+# StateKeyMismatchError (wrong weights) fails the same way every time and is not retried.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
 
 

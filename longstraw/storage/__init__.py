@@ -2,16 +2,16 @@
 
 The only package that builds URIs or touches fsspec/zarr. Entry points:
 open_state_writer / open_persisting_writer (write, resume, commit), open_committed_state (read),
-verify_state, list_states / collect_garbage, and the `state` CLI sub-app in storage.cli.
+verify_state, list_states / collect_garbage, and the `state` CLI sub-app in storage.state_commands.
 """
 
 from longstraw.storage.background import BackgroundStateWriter, open_persisting_writer
-from longstraw.storage.cache import StateCache, default_state_cache
+from longstraw.storage.cache import CommittedStateLRU, default_state_lru
 from longstraw.storage.errors import (
     ChunkChecksumError,
     ShardConflictError,
     StateIntegrityError,
-    StateMismatchError,
+    StateKeyMismatchError,
     StateNotCommittedError,
 )
 from longstraw.storage.reader import (
@@ -27,14 +27,14 @@ __all__ = [
     "BackgroundStateWriter",
     "ChunkChecksumError",
     "CommittedState",
+    "CommittedStateLRU",
     "ShardConflictError",
     "ShardData",
-    "StateCache",
     "StateIntegrityError",
-    "StateMismatchError",
+    "StateKeyMismatchError",
     "StateNotCommittedError",
     "StateWriter",
-    "default_state_cache",
+    "default_state_lru",
     "naive_read_committed_state",
     "open_committed_state",
     "open_persisting_writer",

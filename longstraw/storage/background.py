@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from longstraw.schemas.storage import PrefixStateRef, StateKey, StateLayout, StorageConfig
-from longstraw.storage.cache import StateCache, default_state_cache
+from longstraw.storage.cache import CommittedStateLRU, default_state_lru
 from longstraw.storage.writer import ShardData, StateWriter
 
 
@@ -118,7 +118,7 @@ class BackgroundStateWriter:
         self,
         *,
         tensors: Mapping[str, torch.Tensor] | None = None,
-        cache: StateCache | None = default_state_cache,
+        cache: CommittedStateLRU | None = default_state_lru,
     ) -> PrefixStateRef:
         self.flush()
         return self.inner.commit(tensors=tensors, cache=cache)

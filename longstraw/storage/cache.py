@@ -20,7 +20,7 @@ class CachedState:
     """name -> full array ([L, T, ...] or [L, S+1, ...]); shared with the writer, never copied."""
 
 
-class StateCache:
+class CommittedStateLRU:
     """LRU over committed states by ref.manifest_sha256, bounded by the bytes it references."""
 
     def __init__(self, max_bytes: int = 64 * 2**30):
@@ -64,5 +64,5 @@ class StateCache:
         )
 
 
-default_state_cache = StateCache()
+default_state_lru = CommittedStateLRU()
 """The cache writers fill on commit(tensors=...) and open_committed_state consults by default."""

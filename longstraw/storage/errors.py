@@ -5,8 +5,10 @@ class StateNotCommittedError(FileNotFoundError):
     """No COMMITTED.json where a committed state was expected (never written, or the writer died)."""
 
 
-class StateMismatchError(ValueError):
-    """The committed state was computed with other weights / policy version / layout than expected."""
+class StateKeyMismatchError(ValueError):
+    """What a stored state was computed from (weights, policy version, shard size, layout: its
+    key) is not what this reader or writer expects. The engine's check that a recomputed shard
+    reproduces the stored bytes is `longstraw.engine.sweep.RecomputedStateMismatchError`."""
 
 
 class StateIntegrityError(ValueError):

@@ -9,10 +9,14 @@ import torch
 import zarr
 
 from longstraw.schemas.storage import PrefixStateRef, StateLayout, StateManifest, StorageConfig
-from longstraw.storage.cache import StateCache, default_state_cache
+from longstraw.storage.cache import CommittedStateLRU, default_state_lru
 from longstraw.storage.chunks import for_each_chunk, make_pool, read_chunk, read_chunk_into_local
 from longstraw.storage.codec import chunk_key, empty_stored, sha256_hex, stored_to_tensor
-from longstraw.storage.errors import StateIntegrityError, StateMismatchError, StateNotCommittedError
+from longstraw.storage.errors import (
+    StateIntegrityError,
+    StateKeyMismatchError,
+    StateNotCommittedError,
+)
 from longstraw.storage.layout_io import chunk_region, chunk_segments, place_chunk, zarr_store
 from longstraw.storage.paths import (
     COMMITTED_NAME,
@@ -75,7 +79,7 @@ def read_manifest(
 
 def _check_expected(ref: PrefixStateRef, weights_digest: str, policy_version: int | None) -> None:
     if ref.weights_digest != weights_digest or ref.policy_version != policy_version:
-        raise StateMismatchError(
+        raise StateKeyMismatchError(
             f"state {ref.uri} was computed with weights {ref.weights_digest} at policy version "
             f"{ref.policy_version}; expected weights {weights_digest} at version {policy_version}. "
             "A state is only valid for the weights that computed it: recompute the prefill."
@@ -88,7 +92,7 @@ def open_committed_state(
     expect_weights_digest: str,
     expect_policy_version: int | None,
     verify_checksums: bool = True,
-    cache: StateCache | None = default_state_cache,
+    cache: CommittedStateLRU | None = default_state_lru,
     config: StorageConfig | None = None,
 ) -> CommittedState:
     """The full state of a committed prefix, checked against the expected weights and version.

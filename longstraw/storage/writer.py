@@ -41,7 +41,7 @@ from longstraw.schemas.storage import (
     StateManifest,
     StorageConfig,
 )
-from longstraw.storage.cache import StateCache, default_state_cache
+from longstraw.storage.cache import CommittedStateLRU, default_state_lru
 from longstraw.storage.chunks import (
     ChunkPayload,
     for_each_chunk,
@@ -58,7 +58,7 @@ from longstraw.storage.codec import (
     stored_to_tensor,
     tensor_to_stored,
 )
-from longstraw.storage.errors import ShardConflictError, StateIntegrityError, StateMismatchError
+from longstraw.storage.errors import ShardConflictError, StateIntegrityError, StateKeyMismatchError
 from longstraw.storage.exclusive import create_exclusive
 from longstraw.storage.layout_io import chunk_region, create_attempt_arrays
 from longstraw.storage.paths import (
@@ -162,7 +162,7 @@ class StateWriter:
             return None
         manifest = ShardManifest.model_validate_json(data)
         if (manifest.token_start, manifest.token_end) != self.layout.shard_range(k):
-            raise StateMismatchError(
+            raise StateKeyMismatchError(
                 f"shard {k} of {self.dir_uri} covers tokens [{manifest.token_start}, "
                 f"{manifest.token_end}), this writer's layout says {self.layout.shard_range(k)}: "
                 "the prompt digest must cover the shard size too"
@@ -319,7 +319,7 @@ class StateWriter:
         self,
         *,
         tensors: Mapping[str, torch.Tensor] | None = None,
-        cache: StateCache | None = default_state_cache,
+        cache: CommittedStateLRU | None = default_state_lru,
     ) -> PrefixStateRef:
         """Verify every shard and chunk, then create COMMITTED.json exclusively.
 
@@ -381,7 +381,7 @@ class StateWriter:
 
     def _check_same_state(self, manifest: StateManifest) -> None:
         if manifest.key != self.key or manifest.layout != self.layout:
-            raise StateMismatchError(
+            raise StateKeyMismatchError(
                 f"{self.dir_uri} is committed for key {manifest.key} / another layout; this writer "
                 f"has key {self.key}: the prompt digest must cover everything that changes the state"
             )

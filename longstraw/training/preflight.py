@@ -82,8 +82,10 @@ def check_data(config: RunConfig) -> None:
 
 
 def check_rewards(config: RunConfig) -> None:
-    import longstraw.data  # noqa: F401  (registers the built-in task rewards)
+    from longstraw.data.rewards import register_haystack_rewards
     from longstraw.grpo.rewards import get_reward
+
+    register_haystack_rewards()
 
     for spec in config.data.rewards:
         try:

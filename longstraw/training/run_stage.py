@@ -41,12 +41,12 @@ def call_stage(name: str, payload: dict):
 
 def forget_everything(config: RunConfig) -> None:
     """Drop this process's caches of the run: the next stage sees only its refs and storage."""
-    from longstraw.storage import artifacts, default_state_cache
+    from longstraw.storage import artifacts, default_state_lru
     from longstraw.training import held
 
     held.forget_run(config.run_id)
     artifacts.forget_run(config.storage, config.run_id)
-    default_state_cache.clear()
+    default_state_lru.clear()
 
 
 def main(argv: list[str]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longstraw.data.rewards import register_haystack_rewards
 from longstraw.distributed.stage_group import active_group, is_writer, on_all_ranks
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
@@ -210,6 +211,7 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
             )
     rollout_seconds = time.perf_counter() - started
     started = time.perf_counter()
+    register_haystack_rewards()  # the built-in names a config may list in data.rewards
     rewards = (
         score_rewards(
             example.rewards,

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longstraw.data.rewards import REWARDS, haystack_exact, haystack_partial, haystack_shaped
+from longstraw.data.rewards import (
+    haystack_exact,
+    haystack_partial,
+    haystack_shaped,
+    register_haystack_rewards,
+)
+from longstraw.grpo import rewards as registry
 
 SINGLE = {
     "variant": "kv_retrieval",
@@ -93,12 +99,20 @@ def test_rewards_fall_back_to_the_answer_string_of_a_user_record():
         haystack_exact("", "x", {})
 
 
-def test_registry_names_the_three_rewards():
+def test_registering_adds_the_three_rewards_to_the_one_registry(monkeypatch):
+    monkeypatch.setattr(registry, "_REWARDS", {})
+    assert registry.reward_names() == []
+    register_haystack_rewards()
+    register_haystack_rewards()  # repeated calls are no-ops
     assert {
+        name: registry.get_reward(name)
+        for name in ("haystack_exact", "haystack_partial", "haystack_shaped")
+    } == {
         "haystack_exact": haystack_exact,
         "haystack_partial": haystack_partial,
         "haystack_shaped": haystack_shaped,
-    } == REWARDS
+    }
+    assert registry.reward_names() == ["haystack_exact", "haystack_partial", "haystack_shaped"]
 
 
 def test_shaped_reward_gives_full_credit_for_the_answer_and_half_for_the_alphabet():

@@ -163,4 +163,6 @@ def test_sharded_glm_sweep_refuses_a_latent_that_does_not_reproduce(checkpoint_d
             start_method=START_METHOD,
         )
     assert failure.value.rank == 1
-    assert "StateMismatchError" in failure.value.detail and "latent" in failure.value.detail
+    assert (
+        "RecomputedStateMismatchError" in failure.value.detail and "latent" in failure.value.detail
+    )

@@ -27,7 +27,7 @@ from engine_helpers import (
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.segmented_replay import segmented_branch_backward
-from longstraw.engine.sweep import StateMismatchError
+from longstraw.engine.sweep import RecomputedStateMismatchError
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
 
@@ -149,7 +149,7 @@ def test_a_branch_state_written_between_passes_is_rejected(tiny_model, monkeypat
     def loss_fn(logp):
         return branch_loss(logp, None, 1.0, 1.0, cfg)
 
-    with pytest.raises(StateMismatchError, match="branch segment"):
+    with pytest.raises(RecomputedStateMismatchError, match="branch segment"):
         segmented_branch_backward(model, state, responses[0], loss_fn, segment_tokens=4)
     zero_grads(model)
 

@@ -8,12 +8,14 @@ import textwrap
 
 import pytest
 
-from longstraw.grpo.rewards import REWARDS, get_reward, register_reward, score_group
+from longstraw.grpo import rewards as registry
+from longstraw.grpo.rewards import get_reward, register_reward, reward_names, score_group
 
 
 @pytest.fixture
-def registered():
-    """Registers two test rewards and removes them afterwards."""
+def registered(monkeypatch):
+    """Two test rewards in an otherwise empty registry, restored afterwards."""
+    monkeypatch.setattr(registry, "_REWARDS", {})
 
     @register_reward("test_length")
     def length(prompt: str, response: str, metadata: dict) -> float:
@@ -23,8 +25,7 @@ def registered():
     def exact(prompt: str, response: str, metadata: dict) -> float:
         return response == metadata["answer"]  # a bool: accepted as 0/1
 
-    yield length, exact
-    del REWARDS["test_length"], REWARDS["test_exact"]
+    return length, exact
 
 
 @pytest.fixture
@@ -88,9 +89,22 @@ def test_user_spec_errors_say_what_is_wrong(user_module):
         get_reward(f"{user_module}:")
 
 
-def test_unknown_name_lists_registered_rewards(registered):
-    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*'test_exact', 'test_length'"):
+def test_unknown_name_lists_registered_rewards_and_how_to_add_one(registered):
+    assert reward_names() == ["test_exact", "test_length"]
+    with pytest.raises(ValueError) as exc:
         get_reward("nope")
+    message = str(exc.value)
+    assert "unknown reward 'nope'" in message and "['test_exact', 'test_length']" in message
+    assert "register_haystack_rewards()" in message and "'package.module:function'" in message
+
+
+def test_register_reward_takes_the_function_or_decorates(registered):
+    def constant(prompt, response, metadata):
+        return 0.25
+
+    assert register_reward("test_constant", constant) is constant
+    assert get_reward("test_constant") is constant
+    assert score_group(["test_constant", "test_length"], None, "p", ["abc"], {}) == [3.25]
 
 
 def test_registering_a_different_function_under_a_taken_name_fails(registered):

@@ -19,7 +19,7 @@ from dsa_reference import transformers_stable_topk
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, branch_logprobs
-from longstraw.engine.sweep import StateMismatchError, sweep_prompt_shards
+from longstraw.engine.sweep import RecomputedStateMismatchError, sweep_prompt_shards
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
 
@@ -197,7 +197,7 @@ def test_sweep_rejects_a_state_from_other_weights(sparse_model):
     prompt, _, _ = _group()
     state = prefill(sparse_model, prompt, shard_tokens=20)
     state.latent[1, 25] += 1e-3
-    with pytest.raises(StateMismatchError, match="latent"):
+    with pytest.raises(RecomputedStateMismatchError, match="latent"):
         sweep_prompt_shards(sparse_model, state, PromptCotangent.zeros_like_state(state))
 
 

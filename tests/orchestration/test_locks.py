@@ -174,8 +174,8 @@ def test_the_heartbeat_refreshes_a_held_lock(manager, tmp_path, monkeypatch):
 def test_gc_lists_and_removes_only_stale_locks(manager, tmp_path):
     from typer.testing import CliRunner
 
-    from longstraw.storage.cli import state_app
     from longstraw.storage.gc import collect_stale_locks
+    from longstraw.storage.state_commands import state_app
 
     assert manager.acquire_lock("live", "a")
     _foreign_lock(tmp_path, heartbeat_age_s=120)

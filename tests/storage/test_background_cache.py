@@ -9,8 +9,8 @@ from helpers import assert_bitwise_equal, make_layout, make_state, run_prefill, 
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import (
     BackgroundStateWriter,
-    StateCache,
-    StateMismatchError,
+    CommittedStateLRU,
+    StateKeyMismatchError,
     open_committed_state,
     open_persisting_writer,
     open_state_writer,
@@ -69,7 +69,7 @@ def test_background_writer_surfaces_the_first_error(tmp_path):
 def test_committed_state_is_read_from_the_process_cache_without_io(tmp_path):
     layout = make_layout("bfloat16")
     state = make_state(layout)
-    cache = StateCache()
+    cache = CommittedStateLRU()
     w = open_state_writer(
         StorageConfig(root_uri=str(tmp_path)), StateKey.policy("run", 1, "w", "c"), layout
     )
@@ -79,18 +79,18 @@ def test_committed_state_is_read_from_the_process_cache_without_io(tmp_path):
     fs.rm(dir_path, recursive=True)  # any I/O would now fail
     got = open_committed_state(ref, expect_weights_digest="w", expect_policy_version=1, cache=cache)
     assert all(got.tensors[n] is state[n] for n in state), "cache hit must return the very tensors"
-    with pytest.raises(StateMismatchError):
+    with pytest.raises(StateKeyMismatchError):
         open_committed_state(ref, expect_weights_digest="w", expect_policy_version=2, cache=cache)
     with pytest.raises(FileNotFoundError):
         open_committed_state(
-            ref, expect_weights_digest="w", expect_policy_version=1, cache=StateCache()
+            ref, expect_weights_digest="w", expect_policy_version=1, cache=CommittedStateLRU()
         )
 
 
 def test_cache_evicts_least_recently_used_beyond_its_byte_bound(tmp_path):
     layout = make_layout("float32", num_tokens=17, shard_tokens=16)
     state = make_state(layout)
-    cache = StateCache(max_bytes=int(layout.nbytes * 1.5))
+    cache = CommittedStateLRU(max_bytes=int(layout.nbytes * 1.5))
     refs = []
     for i in range(3):
         w = open_state_writer(

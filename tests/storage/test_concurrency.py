@@ -11,7 +11,7 @@ from helpers import assert_bitwise_equal, make_layout, make_state, run_prefill, 
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import (
     ShardConflictError,
-    StateMismatchError,
+    StateKeyMismatchError,
     open_committed_state,
     open_state_writer,
 )
@@ -105,5 +105,5 @@ def test_writer_with_another_shard_size_is_refused(tmp_path):
     w = open_state_writer(config, key, layout)
     w.write_shard(0, *shard_args(layout, state, 0))
     other = make_layout("float32", shard_tokens=8)
-    with pytest.raises(StateMismatchError, match="shard size"):
+    with pytest.raises(StateKeyMismatchError, match="shard size"):
         open_state_writer(config, key, other, resume=True).read_shard(0)

@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import open_committed_state, open_state_writer
-from longstraw.storage.cli import state_app
 from longstraw.storage.gc import collect_garbage, list_states
+from longstraw.storage.state_commands import state_app
 
 
 def _populate(root_uri):

@@ -18,14 +18,14 @@ from longstraw.schemas.storage import (
 from longstraw.storage import (
     ChunkChecksumError,
     StateIntegrityError,
-    StateMismatchError,
+    StateKeyMismatchError,
     open_committed_state,
     open_state_writer,
     verify_state,
 )
-from longstraw.storage.cli import state_app
 from longstraw.storage.codec import chunk_key
 from longstraw.storage.paths import filesystem
+from longstraw.storage.state_commands import state_app
 
 
 def _write(root_uri, dtype="bfloat16", version=4, prompt="p"):
@@ -79,11 +79,11 @@ def test_verify_cli_passes_on_an_intact_state(root_uri):
 
 def test_wrong_weights_digest_or_policy_version_is_refused(root_uri):
     _, ref, _ = _write(root_uri)
-    with pytest.raises(StateMismatchError, match="weights"):
+    with pytest.raises(StateKeyMismatchError, match="weights"):
         open_committed_state(ref, expect_weights_digest="other", expect_policy_version=4)
-    with pytest.raises(StateMismatchError, match="version"):
+    with pytest.raises(StateKeyMismatchError, match="version"):
         open_committed_state(ref.uri, expect_weights_digest="w", expect_policy_version=5)
-    assert issubclass(StateMismatchError, ValueError)
+    assert issubclass(StateKeyMismatchError, ValueError)
     forged = PrefixStateRef(**{**ref.model_dump(), "manifest_sha256": "0" * 64})
     with pytest.raises(StateIntegrityError, match="sha256"):
         open_committed_state(forged, expect_weights_digest="w", expect_policy_version=4, cache=None)

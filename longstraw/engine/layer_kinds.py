@@ -1,0 +1,474 @@
+"""One object per layer kind: the state it keeps and the cache layers it runs with.
+
+Legend: L layers of the kind, T state tokens (this rank's, for a sharded state), N checkpoints
+(shards + 1), K kv heads, D / Dv key / value head dims, C conv channels, W conv tail, H value
+heads, Dk / Dv delta-rule key / value dims, R latent rank, E rope dim, Di indexer dim.
+
+Users of these objects, single process and sequence-sharded alike:
+- `allocate`: `engine.state.PrefixState`, `distributed.sharded_state.ShardedPrefixState`;
+- `prefill_layer`: `engine.prefill`, `distributed.sharded_prefill.owner_prefill_cache`;
+- `branch_layer`: `engine.replay.branch_cache`, `distributed.sharded_replay.ShardedBranch`;
+- `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard).
+
+The cross-rank side passes its layer class (`distributed` sits above this package and cannot be
+imported here) and the arguments only it has, through `kind_kwargs`. A new kind of layer is one
+new class here, added to `LAYER_KINDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from longstraw.engine.cache import (
+    ForkedLinearAttentionLayer,
+    PrefixAttentionLayer,
+    PrefixMlaLayer,
+    ShardStartLinearAttentionLayer,
+)
+from longstraw.models.adapters import StateSpec
+
+# Every array a prompt state may hold, by name; a kind's `allocate` fills its own.
+STATE_ARRAYS = ("keys", "values", "conv", "recurrent", "latent", "rope_key", "indexer_key")
+
+
+class LayerKind:
+    """A kind of decoder layer, named by its field of `StateSpec`."""
+
+    field: str
+
+    def spec(self, state_spec: StateSpec) -> Any:
+        """This kind's part of the spec, or None when the model has no such layer."""
+        return getattr(state_spec, self.field)
+
+    def slots(self, state_spec: StateSpec) -> Iterator[tuple[int, int]]:
+        """(slot in this kind's arrays, decoder layer index) of each layer of this kind."""
+        spec = self.spec(state_spec)
+        return iter(()) if spec is None else enumerate(spec.layer_indices)
+
+    def allocate(
+        self, spec: Any, *, num_tokens: int, num_checkpoints: int, dtype, device
+    ) -> dict[str, torch.Tensor]:
+        """This kind's arrays of a prompt state (names from `STATE_ARRAYS`), for `num_tokens`
+        positions and `num_checkpoints` shard-boundary checkpoints."""
+        raise NotImplementedError
+
+    def branch_layer(
+        self,
+        state,
+        slot: int,
+        layer_idx: int,
+        cotangent,
+        /,
+        *,
+        leaves: dict,
+        batch_size: int,
+        **kwargs,
+    ) -> Any:
+        """The cache layer one branch (or `batch_size` rows) replays this layer with; forked
+        leaves of the state go into `leaves[slot]` (exact mode)."""
+        raise NotImplementedError
+
+    def prefill_layer(
+        self,
+        state,
+        slot: int,
+        layer_idx: int,
+        /,
+        *,
+        prefix_end: int,
+        rows: slice,
+        checkpoint: int,
+        **kwargs,
+    ) -> Any:
+        """The cache layer one prefill shard runs this layer with: it reads the state's first
+        `prefix_end` rows and writes the shard's `rows` of the per-token arrays, or (recurrent
+        kinds) starts from checkpoint `checkpoint` and writes checkpoint `checkpoint + 1`."""
+        raise NotImplementedError
+
+    def sweep_layer(
+        self,
+        state,
+        slot: int,
+        layer_idx: int,
+        cotangent,
+        /,
+        *,
+        prefix_end: int,
+        checkpoint: int,
+        leaves: dict,
+        **kwargs,
+    ) -> Any:
+        """The cache layer the reverse sweep recomputes one shard with, under autograd: it reads
+        the first `prefix_end` rows and adds their cotangent into `cotangent`, or (recurrent
+        kinds) starts from a leaf fork of checkpoint `checkpoint` (`leaves[slot]`). `kwargs` carry
+        the caller's capture hooks (`on_update`; `on_conv` / `on_recurrent`)."""
+        raise NotImplementedError
+
+
+class FullAttention(LayerKind):
+    """Softmax attention: K/V per token."""
+
+    field = "full_attention"
+
+    def allocate(self, fa, *, num_tokens, num_checkpoints, dtype, device):
+        layers = len(fa.layer_indices)
+        # torch.empty: every position is written by exactly one shard before it is read.
+        return {
+            "keys": torch.empty(
+                layers, num_tokens, fa.num_kv_heads, fa.head_dim, dtype=dtype, device=device
+            ),  # [L, T, K, D]
+            "values": torch.empty(
+                layers, num_tokens, fa.num_kv_heads, fa.value_head_dim, dtype=dtype, device=device
+            ),  # [L, T, K, Dv]
+        }
+
+    def branch_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        cotangent,
+        /,
+        *,
+        leaves,
+        batch_size,
+        layer_class=PrefixAttentionLayer,
+        **kwargs,
+    ):
+        del leaves, batch_size  # rows share the prefix K/V; nothing is forked
+        return layer_class(
+            state.keys[slot],
+            state.values[slot],
+            grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
+            grad_v_TKD=None if cotangent is None else cotangent.values[slot],
+            **kwargs,
+        )
+
+    def prefill_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        /,
+        *,
+        prefix_end,
+        rows,
+        checkpoint,
+        layer_class=PrefixAttentionLayer,
+        **kwargs,
+    ):
+        del checkpoint  # K/V are per token
+
+        def write_kv(k_BKSD, v_BKSD):
+            state.keys[slot, rows] = k_BKSD[0].transpose(0, 1)
+            state.values[slot, rows] = v_BKSD[0].transpose(0, 1)
+
+        return layer_class(
+            state.keys[slot, :prefix_end],
+            state.values[slot, :prefix_end],
+            on_update=write_kv,
+            **kwargs,
+        )
+
+    def sweep_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        cotangent,
+        /,
+        *,
+        prefix_end,
+        checkpoint,
+        leaves,
+        layer_class=PrefixAttentionLayer,
+        **kwargs,
+    ):
+        del checkpoint, leaves
+        return layer_class(
+            state.keys[slot, :prefix_end],
+            state.values[slot, :prefix_end],
+            grad_k_TKD=cotangent.keys[slot, :prefix_end],
+            grad_v_TKD=cotangent.values[slot, :prefix_end],
+            **kwargs,
+        )
+
+
+class GatedDeltaNet(LayerKind):
+    """Linear attention: a conv tail and a recurrent state, checkpointed at shard starts."""
+
+    field = "linear_attention"
+
+    def allocate(self, la, *, num_tokens, num_checkpoints, dtype, device):
+        layers = len(la.layer_indices)
+        # Index 0 is the zero state a sequence starts from (what transformers uses without a cache).
+        return {
+            "conv": torch.zeros(
+                layers, num_checkpoints, la.conv_dim, la.conv_tail, dtype=dtype, device=device
+            ),  # [L, N, C, W]
+            "recurrent": torch.zeros(
+                layers,
+                num_checkpoints,
+                la.num_value_heads,
+                la.key_head_dim,
+                la.value_head_dim,
+                dtype=torch.float32,
+                device=device,
+            ),  # [L, N, H, Dk, Dv] fp32
+        }
+
+    def branch_layer(self, state, slot, layer_idx, cotangent, /, *, leaves, batch_size):
+        """A fork of the final state; with `cotangent`, the forked tensors are leaves whose
+        gradient the caller adds to the cotangent after backward (`leaves[slot]`)."""
+        conv, recurrent = state.final_linear_state(slot)
+        if cotangent is not None:
+            # detach() is a view: the leaf shares the state's storage, nothing is copied.
+            conv = conv.detach().requires_grad_(True)
+            recurrent = recurrent.detach().requires_grad_(True)
+            leaves[slot] = (conv, recurrent)
+        return ForkedLinearAttentionLayer(
+            conv.unsqueeze(0).expand(batch_size, -1, -1),
+            recurrent.unsqueeze(0).expand(batch_size, -1, -1, -1),
+        )
+
+    def prefill_layer(self, state, slot, layer_idx, /, *, prefix_end, rows, checkpoint):
+        del prefix_end, rows  # the state is the checkpoint, whatever the shard's length
+
+        def write_conv(tail_BCW):
+            state.conv[slot, checkpoint + 1] = tail_BCW[0]
+
+        def write_recurrent(rec_BHKV):
+            state.recurrent[slot, checkpoint + 1] = rec_BHKV[0]
+
+        return ForkedLinearAttentionLayer(
+            state.conv[slot, checkpoint].unsqueeze(0),
+            state.recurrent[slot, checkpoint].unsqueeze(0),
+            on_conv=write_conv,
+            on_recurrent=write_recurrent,
+        )
+
+    def sweep_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        cotangent,
+        /,
+        *,
+        prefix_end,
+        checkpoint,
+        leaves,
+        layer_class=ShardStartLinearAttentionLayer,
+        **kwargs,
+    ):
+        del cotangent, prefix_end  # the caller adds the leaves' gradients after backward
+        conv = state.conv[slot, checkpoint].detach().requires_grad_(True)
+        recurrent = state.recurrent[slot, checkpoint].detach().requires_grad_(True)
+        leaves[slot] = (conv, recurrent)
+        return layer_class(conv.unsqueeze(0), recurrent.unsqueeze(0), **kwargs)
+
+
+class Mla(LayerKind):
+    """Multi-head latent attention (GLM-5): latents and rope keys per token, DSA indexer keys."""
+
+    field = "mla"
+
+    def allocate(self, mla, *, num_tokens, num_checkpoints, dtype, device):
+        layers = len(mla.layer_indices)
+        return {
+            "latent": torch.empty(
+                layers, num_tokens, mla.kv_lora_rank, dtype=dtype, device=device
+            ),  # [L, T, R]
+            "rope_key": torch.empty(
+                layers, num_tokens, mla.rope_dim, dtype=dtype, device=device
+            ),  # [L, T, E]
+            "indexer_key": torch.empty(
+                len(mla.indexer_layer_indices),
+                num_tokens,
+                mla.index_head_dim,
+                dtype=dtype,
+                device=device,
+            ),  # [L_idx, T, Di]
+        }
+
+    def branch_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        cotangent,
+        /,
+        *,
+        leaves,
+        batch_size,
+        layer_class=PrefixMlaLayer,
+        **kwargs,
+    ):
+        del leaves, batch_size  # rows share the prefix latents; nothing is forked
+        mla = state.spec.mla
+        has_indexer = layer_idx in mla.indexer_layer_indices
+        return layer_class(
+            state.latent[slot],
+            state.rope_key[slot],
+            state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
+            grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
+            grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
+            **kwargs,
+        )
+
+    def prefill_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        /,
+        *,
+        prefix_end,
+        rows,
+        checkpoint,
+        layer_class=PrefixMlaLayer,
+        **kwargs,
+    ):
+        del checkpoint  # latents are per token
+        mla = state.spec.mla
+        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+
+        def write_mla(latent_BSR, rope_BSE, index_BSD):
+            state.latent[slot, rows] = latent_BSR[0]
+            state.rope_key[slot, rows] = rope_BSE[0]
+            if index_slot is not None:
+                state.indexer_key[index_slot, rows] = index_BSD[0]
+
+        return layer_class(
+            state.latent[slot, :prefix_end],
+            state.rope_key[slot, :prefix_end],
+            None if index_slot is None else state.indexer_key[index_slot, :prefix_end],
+            on_update=write_mla,
+            **kwargs,
+        )
+
+    def sweep_layer(
+        self,
+        state,
+        slot,
+        layer_idx,
+        cotangent,
+        /,
+        *,
+        prefix_end,
+        checkpoint,
+        leaves,
+        layer_class=PrefixMlaLayer,
+        **kwargs,
+    ):
+        del checkpoint, leaves
+        mla = state.spec.mla
+        has_indexer = layer_idx in mla.indexer_layer_indices
+        return layer_class(
+            state.latent[slot, :prefix_end],
+            state.rope_key[slot, :prefix_end],
+            state.indexer_key[mla.indexer_slot(layer_idx), :prefix_end] if has_indexer else None,
+            grad_latent_TR=cotangent.latent[slot, :prefix_end],
+            grad_rope_TE=cotangent.rope_key[slot, :prefix_end],
+            **kwargs,
+        )
+
+
+LAYER_KINDS: tuple[LayerKind, ...] = (FullAttention(), GatedDeltaNet(), Mla())
+
+
+def allocate_state_arrays(
+    spec: StateSpec, *, num_tokens: int, num_checkpoints: int, dtype, device
+) -> dict[str, torch.Tensor | None]:
+    """Every array of `STATE_ARRAYS`, allocated for the kinds the model has (None otherwise)."""
+    arrays: dict[str, torch.Tensor | None] = dict.fromkeys(STATE_ARRAYS)
+    for kind in LAYER_KINDS:
+        sub = kind.spec(spec)
+        if sub is not None:
+            arrays.update(
+                kind.allocate(
+                    sub,
+                    num_tokens=num_tokens,
+                    num_checkpoints=num_checkpoints,
+                    dtype=dtype,
+                    device=device,
+                )
+            )
+    return arrays
+
+
+def branch_layers(
+    state, cotangent, *, leaves: dict, batch_size: int = 1, kind_kwargs: dict | None = None
+) -> list:
+    """[num_layers] the cache layers of one replay over `state`.
+
+    `leaves` receives the forked linear-attention state by slot (exact mode); `kind_kwargs`
+    maps a kind's field to extra arguments of its `branch_layer` (a cross-rank layer class, its
+    process group, decoding buffers).
+    """
+    layers: list = [None] * state.spec.num_layers
+    for kind in LAYER_KINDS:
+        for slot, layer_idx in kind.slots(state.spec):
+            layers[layer_idx] = kind.branch_layer(
+                state,
+                slot,
+                layer_idx,
+                cotangent,
+                leaves=leaves,
+                batch_size=batch_size,
+                **_extra(kind_kwargs, kind, slot),
+            )
+    return layers
+
+
+def prefill_layers(
+    state, *, prefix_end: int, rows: slice, checkpoint: int, kind_kwargs: dict | None = None
+) -> list:
+    """[num_layers] the cache layers one prefill shard runs with (`LayerKind.prefill_layer`).
+
+    Single process: `prefix_end` = the shard's start, `rows` its positions, `checkpoint` its
+    index; a rank of a sharded state gives the same in its local rows and checkpoints.
+    """
+    layers: list = [None] * state.spec.num_layers
+    for kind in LAYER_KINDS:
+        for slot, layer_idx in kind.slots(state.spec):
+            layers[layer_idx] = kind.prefill_layer(
+                state,
+                slot,
+                layer_idx,
+                prefix_end=prefix_end,
+                rows=rows,
+                checkpoint=checkpoint,
+                **_extra(kind_kwargs, kind, slot),
+            )
+    return layers
+
+
+def sweep_layers(
+    state, cotangent, *, prefix_end: int, checkpoint: int, leaves: dict, kind_kwargs: dict
+) -> list:
+    """[num_layers] the cache layers the reverse sweep recomputes one shard with
+    (`LayerKind.sweep_layer`); `kind_kwargs` carry each kind's capture hooks."""
+    layers: list = [None] * state.spec.num_layers
+    for kind in LAYER_KINDS:
+        for slot, layer_idx in kind.slots(state.spec):
+            layers[layer_idx] = kind.sweep_layer(
+                state,
+                slot,
+                layer_idx,
+                cotangent,
+                prefix_end=prefix_end,
+                checkpoint=checkpoint,
+                leaves=leaves,
+                **_extra(kind_kwargs, kind, slot),
+            )
+    return layers
+
+
+def _extra(kind_kwargs: dict | None, kind: LayerKind, slot: int) -> dict:
+    """A kind's extra layer arguments: a dict, or a function of the slot giving one."""
+    extra = (kind_kwargs or {}).get(kind.field, {})
+    return extra(slot) if callable(extra) else extra

@@ -1,0 +1,61 @@
+"""The per-kind layer factory covers every kind of layer a `StateSpec` can describe."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import torch
+from transformers import AutoConfig
+
+from longstraw.engine import layer_kinds
+from longstraw.engine.layer_kinds import LAYER_KINDS, STATE_ARRAYS, allocate_state_arrays
+from longstraw.engine.state import PrefixState
+from longstraw.models import adapters
+from longstraw.models.adapters import StateSpec
+
+
+def _kind_fields() -> set[str]:
+    """StateSpec's fields that describe a kind of layer (typed `<Something>Spec | None`)."""
+    hints = typing.get_type_hints(StateSpec, vars(adapters))
+    return {
+        f.name
+        for f in dataclasses.fields(StateSpec)
+        if any(
+            isinstance(arg, type) and arg.__name__.endswith("Spec")
+            for arg in typing.get_args(hints[f.name])
+        )
+    }
+
+
+def test_every_kind_of_the_state_spec_has_one_layer_kind():
+    fields = [kind.field for kind in LAYER_KINDS]
+    assert len(fields) == len(set(fields)) == 3
+    assert set(fields) == _kind_fields()
+    for kind in LAYER_KINDS:
+        for method in ("allocate", "branch_layer", "prefill_layer", "sweep_layer"):
+            assert getattr(type(kind), method) is not getattr(layer_kinds.LayerKind, method), (
+                f"{type(kind).__name__} does not define {method}"
+            )
+
+
+def test_allocated_arrays_are_the_state_fields_of_the_models_kinds(checkpoint_dir):
+    for family in ("qwen3_5", "glm_moe_dsa"):
+        spec = adapters.state_spec(AutoConfig.from_pretrained(checkpoint_dir(family)))
+        ids = torch.arange(64)
+        state = PrefixState.allocate(spec, prompt_ids=ids, shard_tokens=24, dtype=torch.float32)
+        arrays = allocate_state_arrays(
+            spec, num_tokens=63, num_checkpoints=4, dtype=torch.float32, device="cpu"
+        )
+        assert set(arrays) == set(STATE_ARRAYS)
+        for name in STATE_ARRAYS:
+            stored, fresh = getattr(state, name), arrays[name]
+            assert (stored is None) == (fresh is None), (family, name)
+            if fresh is not None:
+                assert stored.shape == fresh.shape and stored.dtype == fresh.dtype, (family, name)
+        present = {name for name in STATE_ARRAYS if arrays[name] is not None}
+        expected = {
+            "qwen3_5": {"keys", "values", "conv", "recurrent"},
+            "glm_moe_dsa": {"latent", "rope_key", "indexer_key"},
+        }[family]
+        assert present == expected, (family, present)
