@@ -20,9 +20,9 @@ from longstraw.schemas.grpo import GRPOConfig
 
 # Full attention, the Qwen3.5 hybrid (Gated DeltaNet + full attention), GLM-5 MLA + DSA.
 FAMILIES = ("llama", "qwen3_5", "glm_moe_dsa")
-PROMPT_LEN = 63
-SHARD_TOKENS = 20  # T = 62: shards 20/20/20/2
-RESPONSE_LENS = (5, 3, 7)
+PROMPT_LEN = 41
+SHARD_TOKENS = 16  # T = 40: shards 16/16/8
+RESPONSE_LENS = (5, 7)
 
 
 def _layer_bytes(tiered) -> int:
@@ -30,9 +30,10 @@ def _layer_bytes(tiered) -> int:
 
 
 def _budgets(tiered_probe) -> dict[str, int]:
-    """Zero, half a layer, about two layers: nothing resident, a layer too big, some resident."""
+    """Zero (smaller than one layer: nothing kept, one layer streamed at a time, one prefetched)
+    and about two layers (one kept for good, one streamed through the rest)."""
     unit = _layer_bytes(tiered_probe)
-    return {"zero": 0, "half_layer": unit // 2, "two_layers": 2 * unit + 1}
+    return {"zero": 0, "two_layers": 2 * unit + 1}
 
 
 def _assert_within_budget(tiered, budget: int) -> None:
@@ -59,8 +60,8 @@ def _assert_bitwise(actual: dict, expected: dict, what: str) -> None:
         )
 
 
-@pytest.mark.parametrize("lower", ["host", "disk"])
-@pytest.mark.parametrize("prompt_grad", ["exact", "detached"])
+# Exact mode read-modify-writes dS in the scratch file; detached streams from host memory.
+@pytest.mark.parametrize(("prompt_grad", "lower"), [("exact", "disk"), ("detached", "host")])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiered_state_gives_bitwise_equal_gradients(
     tiny_model, tmp_path, family, prompt_grad, lower
@@ -81,7 +82,9 @@ def test_tiered_state_gives_bitwise_equal_gradients(
             if label == "zero":
                 assert not tiered.store.permanent
             if label == "two_layers":
-                assert len(tiered.store.permanent) == 1  # one kept, room for the working layer
+                # One kept and room for the working layer; with two layers both fit outright.
+                layers = len(tiered.store.unit_bytes)
+                assert len(tiered.store.permanent) == (2 if layers == 2 else 1)
         assert logps == expected_logps, f"{family}/{prompt_grad}/{label}: log-probs differ"
         _assert_bitwise(actual, expected, f"{family}/{prompt_grad}/{lower}/{label}")
     assert not list(tmp_path.iterdir()), "scratch files left behind"
