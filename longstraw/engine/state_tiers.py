@@ -411,42 +411,68 @@ def tier_state(
     """Move `state`'s per-token arrays into the `lower` tier ("host" or "disk": a scratch file in
     `directory`) and stream them through `model` under `budget_bytes` of device memory.
 
-    `exact` reserves room for the fp32 cotangent of each layer in the budget. The returned
-    `TieredState.state` replaces `state` everywhere (replay, rollout, the sweep); close it (or
-    use it as a context manager) to remove the hooks and the scratch files.
+    `exact` keeps each layer's fp32 cotangent in the same lower tier and counts it in the
+    budget. The returned `TieredState.state` replaces `state` everywhere (replay, rollout, the
+    sweep); close it (or use it as a context manager) to remove the hooks and scratch files.
     """
-    if budget_bytes < 0:
-        raise ValueError(f"state_budget_bytes must be >= 0 or None, got {budget_bytes}")
     if state.tiers is not None:
         raise ValueError("this prompt state is already tiered; pass the original state")
+    sources = {}
+    for name in STREAMED_FIELDS:
+        dense = getattr(state, name)
+        if dense is not None:
+            tier = _lower_tier(lower, tuple(dense.shape), dense.dtype, directory)
+            for slot in range(dense.shape[0]):
+                tier.write_from(slot, 0, dense[slot])
+            sources[name] = (tier, tuple(dense.shape), dense.dtype)
+    base = replace(state, **dict.fromkeys(sources))
+    return tiered_from_sources(
+        model,
+        base,
+        sources,
+        budget_bytes=budget_bytes,
+        lower=lower,
+        directory=directory,
+        exact=exact,
+    )
+
+
+def tiered_from_sources(
+    model: PreTrainedModel,
+    base: PrefixState,
+    sources: dict[str, tuple],
+    *,
+    budget_bytes: int,
+    lower: str = "host",
+    directory: str | None = None,
+    exact: bool = True,
+) -> TieredState:
+    """A tiered state over prepared lower tiers: `sources` maps PrefixState field names
+    (`STREAMED_FIELDS`) to (tier, [L, T, *X] shape, dtype); cotangents get new `lower` tiers."""
+    if budget_bytes < 0:
+        raise ValueError(
+            f"state_budget_bytes must be >= 0 (or None: everything resident), got {budget_bytes}"
+        )
     device = next(iter(model.parameters())).device
     store = TieredStore(budget_bytes, device)
     fields = {}
-    for name, has_cotangent in STREAMED_FIELDS.items():
-        dense = getattr(state, name)
-        if dense is None:
-            continue
-        indices = _layer_indices(state, name)
-        tier = _lower_tier(lower, tuple(dense.shape), dense.dtype, directory)
-        for slot in range(dense.shape[0]):
-            tier.write_from(slot, 0, dense[slot])
-        fields[name] = TieredArray(store, name, tier, dense.shape, dense.dtype, writable=False)
+    for name, (tier, shape, dtype) in sources.items():
+        indices = _layer_indices(base, name)
+        fields[name] = TieredArray(store, name, tier, shape, dtype, writable=False)
         store.arrays[name] = fields[name]
-        row = dense[0, 0].numel()
+        slot_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
         for slot, layer in enumerate(indices):
             store._layer_of[(name, slot)] = layer
-            store.unit_bytes[layer] = store.unit_bytes.get(layer, 0) + (
-                dense.shape[1] * row * dense.element_size()
-            )
-        if exact and has_cotangent:
+            store.unit_bytes[layer] = store.unit_bytes.get(layer, 0) + slot_bytes
+        if exact and STREAMED_FIELDS[name]:
             dname = f"d{name}"
-            dtier = _lower_tier(lower, tuple(dense.shape), torch.float32, directory)
+            dtier = _lower_tier(lower, shape, torch.float32, directory)
             store.arrays[dname] = TieredArray(
-                store, dname, dtier, dense.shape, torch.float32, writable=True
+                store, dname, dtier, shape, torch.float32, writable=True
             )
             for slot, layer in enumerate(indices):
                 store._layer_of[(dname, slot)] = layer
-                store.unit_bytes[layer] += dense.shape[1] * row * 4
+                store.unit_bytes[layer] += torch.Size(shape[1:]).numel() * 4
     store._order = sorted(store.unit_bytes)
     # Permanent residents, lowest layer first, leaving room for one streamed working layer.
     reserve = max(store.unit_bytes.values(), default=0)
@@ -460,6 +486,6 @@ def tier_state(
         used += store.unit_bytes[layer]
     store.permanent = frozenset(kept)
     store.attach(model)
-    tiered = TieredState(replace(state, **fields), store)
+    tiered = TieredState(replace(base, **fields), store)
     tiered.state.tiers = tiered
     return tiered

@@ -74,7 +74,11 @@ def test_tiered_state_gives_bitwise_equal_gradients(
         budgets = _budgets(probe)
     for label, budget in budgets.items():
         with tier_state(
-            model, state, budget_bytes=budget, lower=lower, directory=str(tmp_path),
+            model,
+            state,
+            budget_bytes=budget,
+            lower=lower,
+            directory=str(tmp_path),
             exact=prompt_grad == "exact",
         ) as tiered:
             actual, logps = _grads(model, tiered.state, prompt_grad, responses, advantages)
@@ -97,7 +101,9 @@ def test_tiered_state_gives_the_same_rollout_and_logprobs(tiny_model, family):
     state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
     params = SamplingParams(num_samples=3, max_new_tokens=6, temperature=0.9)
     with torch.no_grad():
-        expected = sample_responses(model, state, params, generator=torch.Generator().manual_seed(42))
+        expected = sample_responses(
+            model, state, params, generator=torch.Generator().manual_seed(42)
+        )
         expected_logp = branch_logprobs(model, state, responses[0])
         with tier_state(model, state, budget_bytes=0, exact=False) as tiered:
             actual = sample_responses(
@@ -115,3 +121,71 @@ def test_tiered_state_rejects_a_negative_budget(tiny_model):
     state = prefill(model, torch.arange(9), shard_tokens=4)
     with pytest.raises(ValueError, match="state_budget_bytes must be >= 0"):
         tier_state(model, state, budget_bytes=-1)
+
+
+def _persisted(model, tmp_path, family):
+    """A committed Zarr state of a random prompt, and the prompt."""
+    from longstraw.schemas.storage import StateKey, StorageConfig
+    from longstraw.training.persisted_prefill import persisted_prefill
+    from longstraw.training.prompts import prompt_digest
+
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    storage = StorageConfig(root_uri=str(tmp_path / "states"))
+    key = StateKey.policy(family, 0, "w", prompt_digest(prompt))
+    state, outcome = persisted_prefill(
+        model, prompt, shard_tokens=SHARD_TOKENS, storage=storage, key=key
+    )
+    return state, outcome.ref, storage, prompt, responses, advantages
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
+def test_replay_streams_from_the_committed_state_with_bitwise_equal_gradients(
+    tiny_model, tmp_path, family
+):
+    from longstraw.storage.streamed_state import open_streamed_state, tier_committed_state
+
+    model = tiny_model(family)
+    state, ref, storage, prompt, responses, advantages = _persisted(model, tmp_path, family)
+    expected, expected_logps = _grads(model, state, "exact", responses, advantages)
+    streamed = open_streamed_state(
+        ref, expect_weights_digest="w", expect_policy_version=0, config=storage
+    )
+    tiers = [tier for tier, _, _ in streamed.token_tiers.values()]
+    assert sum(t.chunks_read for t in tiers) == 0  # opening reads no per-token chunk
+    with tier_committed_state(
+        model, streamed, prompt, budget_bytes=0, lower="disk", directory=str(tmp_path)
+    ) as tiered:
+        actual, logps = _grads(model, tiered.state, "exact", responses, advantages)
+        _assert_within_budget(tiered, 0)
+    assert logps == expected_logps
+    _assert_bitwise(actual, expected, f"{family} streamed from Zarr")
+    assert all(t.chunks_read > 0 for t in tiers)
+
+
+def test_a_flipped_byte_is_detected_when_its_chunk_is_streamed(tiny_model, tmp_path):
+    from longstraw.storage import ChunkChecksumError
+    from longstraw.storage.codec import chunk_key
+    from longstraw.storage.paths import ZARR_NAME, attempt_dir_name
+    from longstraw.storage.reader import read_manifest
+    from longstraw.storage.streamed_state import open_streamed_state, tier_committed_state
+
+    model = tiny_model("llama")
+    _, ref, storage, prompt, responses, _ = _persisted(model, tmp_path, "llama")
+    manifest, _ = read_manifest(ref, storage)
+    shard = manifest.shards[1]
+    victim = next(d for d in shard.chunks if d.array == "full_attention/v")
+    path = (
+        f"{ref.uri.removeprefix('file://')}/{attempt_dir_name(shard.attempt_id)}/{ZARR_NAME}/"
+        f"{chunk_key(victim.array, victim.index)}"
+    )
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    # Opening touches no per-token chunk, so it succeeds; the first read of the chunk fails.
+    streamed = open_streamed_state(
+        ref, expect_weights_digest="w", expect_policy_version=0, config=storage
+    )
+    with tier_committed_state(model, streamed, prompt, budget_bytes=0, exact=False) as tiered:
+        with pytest.raises(ChunkChecksumError) as err, torch.no_grad():
+            branch_logprobs(model, tiered.state, responses[0])
+    assert (err.value.array, tuple(err.value.index)) == (victim.array, tuple(victim.index))
