@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.state import PrefixState
+from longstraw.engine.state_tiers import tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.losses import branch_loss, reduce_stats, sequence_weights
@@ -296,6 +297,9 @@ def accumulate_group_gradients(
     num_sequences_in_batch: int | None = None,
     grad_buffer: GradBuffer | None = None,
     importance_weights: Sequence[torch.Tensor] | None = None,
+    state_budget_bytes: int | None = None,
+    state_tier: str = "host",
+    state_dir: str | None = None,
 ) -> GroupStats:
     """Accumulate one group's GRPO gradient, replaying one branch at a time.
 
@@ -311,6 +315,8 @@ def accumulate_group_gradients(
     The contribution is added to `param.grad` (fp32 models) or, if given, to `grad_buffer`.
     `prompt_grad="exact"` adds the gradient through the prompt state (reverse sweep);
     `"detached"` treats the state as a constant, the capacity mode of the original system.
+    `state_budget_bytes` (None: all resident) streams the state and its cotangent from
+    `state_tier` ("host" or "disk" in `state_dir`) layer by layer (`longstraw.engine.state_tiers`).
     """
     inputs = group_inputs(
         model,
@@ -344,6 +350,14 @@ def accumulate_group_gradients(
         state = prefill(model, prompt, shard_tokens=shard_tokens)
         seconds["prefill"] = time.perf_counter() - started
 
+    with tiered_for_group(
+        model, state, state_budget_bytes, state_tier, state_dir, prompt_grad == "exact"
+    ) as state:
+        return _accumulate(model, state, inputs, loss_config, prompt_grad, seconds, grad_buffer)
+
+
+def _accumulate(model, state, inputs, loss_config, prompt_grad, seconds, grad_buffer):
+    response_ids = inputs.response_ids
     params = trainable_parameters(model)
     contribution = GradBuffer(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None

@@ -24,10 +24,12 @@ rollout tokens and gradients are bitwise equal (tests/engine/test_state_tiers.py
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -489,3 +491,22 @@ def tiered_from_sources(
     tiered = TieredState(replace(base, **fields), store)
     tiered.state.tiers = tiered
     return tiered
+
+
+@contextlib.contextmanager
+def tiered_for_group(
+    model: PreTrainedModel,
+    state: PrefixState,
+    budget_bytes: int | None,
+    lower: str,
+    directory: str | None,
+    exact: bool,
+) -> Iterator[PrefixState]:
+    """`state` itself (no budget, or already tiered), or a tiered copy for the block's length."""
+    if budget_bytes is None or state.tiers is not None:
+        yield state
+        return
+    with tier_state(
+        model, state, budget_bytes=budget_bytes, lower=lower, directory=directory, exact=exact
+    ) as tiered:
+        yield tiered.state

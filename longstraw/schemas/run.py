@@ -55,6 +55,15 @@ class EngineConfig(_Section):
     """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
     forward+backward); detached: treat the prompt state as a constant (the original system's
     capacity mode, biased)."""
+    state_budget_bytes: int | None = Field(default=None, ge=0)
+    """Bytes of prompt state (K/V or latents, and in exact mode their fp32 cotangent) kept on the
+    compute device; the rest waits in `state_tier` and is streamed in layer by layer, the next
+    layer prefetched while one computes. None keeps everything resident. Numbers are bitwise
+    those of the resident run; peak is at most max(budget, one layer) + one prefetched layer."""
+    state_tier: Literal["host", "disk"] = "host"
+    """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
+    state_dir: str | None = None
+    """Directory of the scratch files of `state_tier: disk` (None: the system temp directory)."""
 
 
 class HaystackDataConfig(_Section):

@@ -343,6 +343,9 @@ def backward_group(
             shard_tokens=config.engine.shard_tokens,
             prompt_grad=config.engine.prompt_grad,
             grad_buffer=grads,
+            state_budget_bytes=config.engine.state_budget_bytes,
+            state_tier=config.engine.state_tier,
+            state_dir=config.engine.state_dir,
             **kwargs,
         )
     else:

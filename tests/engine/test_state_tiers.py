@@ -178,14 +178,44 @@ def test_a_flipped_byte_is_detected_when_its_chunk_is_streamed(tiny_model, tmp_p
         f"{ref.uri.removeprefix('file://')}/{attempt_dir_name(shard.attempt_id)}/{ZARR_NAME}/"
         f"{chunk_key(victim.array, victim.index)}"
     )
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x01
-    open(path, "wb").write(bytes(data))
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0x01
+        f.seek(0)
+        f.write(bytes(data))
     # Opening touches no per-token chunk, so it succeeds; the first read of the chunk fails.
     streamed = open_streamed_state(
         ref, expect_weights_digest="w", expect_policy_version=0, config=storage
     )
-    with tier_committed_state(model, streamed, prompt, budget_bytes=0, exact=False) as tiered:
-        with pytest.raises(ChunkChecksumError) as err, torch.no_grad():
-            branch_logprobs(model, tiered.state, responses[0])
+    with (
+        tier_committed_state(model, streamed, prompt, budget_bytes=0, exact=False) as tiered,
+        pytest.raises(ChunkChecksumError) as err,
+        torch.no_grad(),
+    ):
+        branch_logprobs(model, tiered.state, responses[0])
     assert (err.value.array, tuple(err.value.index)) == (victim.array, tuple(victim.index))
+
+
+def test_group_gradients_with_a_state_budget_match_the_resident_ones(tiny_model, tmp_path):
+    """The `engine.state_budget_bytes` path: accumulate_group_gradients tiers the state itself."""
+    model = tiny_model("qwen3_5")
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    cfg = GRPOConfig(loss_type="dapo")
+    runs = []
+    for budget in (None, 0):
+        stats = accumulate_group_gradients(
+            model,
+            prompt,
+            responses,
+            advantages,
+            cfg,
+            shard_tokens=SHARD_TOKENS,
+            prompt_grad="detached",
+            state_budget_bytes=budget,
+            state_tier="disk",
+            state_dir=str(tmp_path),
+        )
+        runs.append((take_grads(model), stats.branch_logprobs))
+    assert runs[1][1] == runs[0][1]
+    _assert_bitwise(runs[1][0], runs[0][0], "state_budget_bytes=0")
+    assert not list(tmp_path.iterdir()), "scratch files left behind"
