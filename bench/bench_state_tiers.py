@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.checkpoint, args.length, args.group, args.budget, args.scratch)))
+        print(
+            json.dumps(worker(args.checkpoint, args.length, args.group, args.budget, args.scratch))
+        )
         return
     if args.checkpoint is None:
         from longstraw.models.factory import init_model

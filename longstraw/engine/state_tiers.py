@@ -213,6 +213,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._working: int | None = None
         self._pending: tuple[int, Future] | None = None
+        self._prefetched: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-prefetch")
         self._handles: list = []
         self._order: list[int] = []
@@ -221,6 +222,8 @@ class TieredStore:
 
     def placeholder(self, array: TieredArray, slot: int, end: int) -> torch.Tensor:
         """[end, *X] view of the device buffer of `array[slot]`, filled while its layer runs."""
+        # A prefetch in flight may be filling this very buffer: let it finish first.
+        self._settle()
         layer = self._layer_of[(array.name, slot)]
         key = (array.name, slot)
         buffer = self._buffers.get(key)
@@ -237,7 +240,7 @@ class TieredStore:
         storage.resize_(buffer.nbytes)
         view = buffer.tensor[:end]
         storage.resize_(0)
-        if layer in self.permanent or layer == self._working:
+        if layer in self.permanent or layer in (self._working, self._prefetched):
             self._fill(buffer, backward=False)
         return view
 
@@ -277,27 +280,27 @@ class TieredStore:
 
     def flush_slot(self, array: TieredArray, slot: int) -> None:
         """Write back what the backward added into `array[slot]` and is still on the device."""
-        self._wait_pending()
+        self._settle()
         buffer = self._buffers.get((array.name, slot))
         if buffer is not None and buffer.resident:
             self._write_back(buffer)
 
     # -- streaming ----------------------------------------------------------------------------
 
-    def _wait_pending(self) -> int | None:
-        if self._pending is None:
-            return None
-        layer, future = self._pending
-        self._pending = None
-        future.result()
-        return layer
+    def _settle(self) -> None:
+        """Wait for the prefetch in flight; its layer stays resident as `_prefetched`."""
+        if self._pending is not None:
+            self._prefetched, future = self._pending
+            self._pending = None
+            future.result()
 
     def acquire(self, layer: int, *, backward: bool) -> None:
         """Make `layer`'s placeholders resident (cotangents too when `backward`), free the
         previous streamed layer, and start prefetching the next one in this direction."""
         if layer not in self.unit_bytes:
             return
-        prefetched = self._wait_pending()
+        self._settle()
+        prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched != layer and prefetched not in self.permanent:
             self._release(prefetched)
         if self._working is not None and self._working != layer:
@@ -318,11 +321,11 @@ class TieredStore:
 
     def release_all(self) -> None:
         """Write back and free every streamed layer (the permanent ones are kept)."""
-        prefetched = self._wait_pending()
-        for layer in {prefetched, self._working} - {None}:
+        self._settle()
+        for layer in {self._prefetched, self._working} - {None}:
             if layer not in self.permanent:
                 self._release(layer)
-        self._working = None
+        self._working = self._prefetched = None
 
     def attach(self, model: PreTrainedModel) -> None:
         """Hook every decoder layer of `model`: fill before its forward and before its backward."""
