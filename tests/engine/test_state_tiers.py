@@ -142,7 +142,8 @@ def _persisted(model, tmp_path, family):
 def test_replay_streams_from_the_committed_state_with_bitwise_equal_gradients(
     tiny_model, tmp_path, family
 ):
-    from longstraw.storage.streamed_state import open_streamed_state, tier_committed_state
+    from longstraw.storage.streamed_state import open_streamed_state
+    from longstraw.training.streamed_state import tier_committed_state
 
     model = tiny_model(family)
     state, ref, storage, prompt, responses, advantages = _persisted(model, tmp_path, family)
@@ -167,7 +168,8 @@ def test_a_flipped_byte_is_detected_when_its_chunk_is_streamed(tiny_model, tmp_p
     from longstraw.storage.codec import chunk_key
     from longstraw.storage.paths import ZARR_NAME, attempt_dir_name
     from longstraw.storage.reader import read_manifest
-    from longstraw.storage.streamed_state import open_streamed_state, tier_committed_state
+    from longstraw.storage.streamed_state import open_streamed_state
+    from longstraw.training.streamed_state import tier_committed_state
 
     model = tiny_model("llama")
     _, ref, storage, prompt, responses, _ = _persisted(model, tmp_path, "llama")
