@@ -205,6 +205,8 @@ class TieredStore:
     peak_resident_bytes: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    prefetches: int = 0
+    """Layers read on the background thread ahead of their use."""
 
     def __post_init__(self):
         self._buffers: dict[tuple[str, int], _Buffer] = {}
@@ -314,6 +316,7 @@ class TieredStore:
         if following:
             nxt = following[0]
             entries = self._entries(nxt)
+            self.prefetches += 1
             self._pending = (
                 nxt,
                 self._pool.submit(lambda: [self._fill(e, backward=backward) for e in entries]),

@@ -111,6 +111,8 @@ def test_tiered_state_gives_the_same_rollout_and_logprobs(tiny_model, family):
             )
             actual_logp = branch_logprobs(model, tiered.state, responses[0])
             _assert_within_budget(tiered, 0)
+            # Every decoding step reads the layers ahead of their use on the prefetch thread.
+            assert tiered.store.prefetches >= params.max_new_tokens
     assert [r.token_ids for r in actual] == [r.token_ids for r in expected]
     assert [r.logprobs for r in actual] == [r.logprobs for r in expected]
     assert torch.equal(actual_logp, expected_logp)
