@@ -30,6 +30,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
+from longstraw.engine.state_tiers import tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
@@ -266,6 +267,9 @@ def accumulate_group_gradients(
     importance_weights: Sequence[torch.Tensor] | None = None,
     branch_segment_tokens: int | None = None,
     share_prefixes: bool = False,
+    state_budget_bytes: int | None = None,
+    state_tier: str = "host",
+    state_dir: str | None = None,
 ) -> GroupStats:
     """Accumulate one group's GRPO gradient, replaying one branch at a time.
 
@@ -285,6 +289,8 @@ def accumulate_group_gradients(
     that many tokens, one segment's graph at a time (`longstraw.engine.segmented_replay`).
     `share_prefixes`: responses that start with the same tokens run that shared part once (a
     prefix tree over the group, `longstraw.engine.branch_tree`); gradients are unchanged.
+    `state_budget_bytes` (None: all resident) streams the state and its cotangent from
+    `state_tier` ("host" or "disk" in `state_dir`) layer by layer (`longstraw.engine.state_tiers`).
     """
     if branch_segment_tokens is not None and branch_segment_tokens < 1:
         raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
@@ -320,6 +326,35 @@ def accumulate_group_gradients(
         state = prefill(model, prompt, shard_tokens=shard_tokens)
         seconds["prefill"] = time.perf_counter() - started
 
+    with tiered_for_group(
+        model, state, state_budget_bytes, state_tier, state_dir, prompt_grad == "exact"
+    ) as state:
+        return _accumulate(
+            model,
+            state,
+            inputs,
+            loss_config,
+            prompt_grad,
+            seconds,
+            grad_buffer,
+            branch_segment_tokens=branch_segment_tokens,
+            share_prefixes=share_prefixes,
+        )
+
+
+def _accumulate(
+    model,
+    state,
+    inputs,
+    loss_config,
+    prompt_grad,
+    seconds,
+    grad_buffer,
+    *,
+    branch_segment_tokens: int | None,
+    share_prefixes: bool,
+):
+    response_ids = inputs.response_ids
     params = trainable_parameters(model)
     contribution = GradBuffer(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None

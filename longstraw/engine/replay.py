@@ -50,6 +50,9 @@ class PromptCotangent:
 
     @classmethod
     def zeros_like_state(cls, state: PrefixState) -> PromptCotangent:
+        if state.tiers is not None:
+            return state.tiers.cotangent()  # per-token parts in the state's lower tier
+
         def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 

@@ -19,6 +19,13 @@ from longstraw.engine.layer_kinds import allocate_state_arrays
 from longstraw.models.adapters import StateSpec
 
 
+def stored_slice(array, slot: int, start: int, end: int) -> torch.Tensor:
+    """[end - start, *X] of slot `slot` of a state or cotangent array, resident or tiered."""
+    if hasattr(array, "read"):
+        return array.read(slot, start, end)
+    return array[slot, start:end]
+
+
 def shard_bounds(num_tokens: int, shard_tokens: int) -> tuple[tuple[int, int], ...]:
     """[start, end) of each prefill shard over `num_tokens` positions; the last may be shorter."""
     if shard_tokens < 1:
@@ -52,6 +59,8 @@ class PrefixState:
     """[L, T, E] MLA shared rope key after RoPE, model dtype."""
     indexer_key: torch.Tensor | None = None
     """[L_idx, T, Di] DSA indexer keys of the layers with their own indexer, model dtype."""
+    tiers: object | None = None
+    """The `longstraw.engine.state_tiers.TieredState` streaming this state; None: resident."""
 
     @property
     def prompt_len(self) -> int:

@@ -29,7 +29,7 @@ from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.replay import PromptCotangent
-from longstraw.engine.state import PrefixState
+from longstraw.engine.state import PrefixState, stored_slice
 from longstraw.models.adapters import decoder_of
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS, rows_recomputed_in_blocks
 
@@ -226,19 +226,21 @@ def _sweep_shard(
     tensors, grads = [], []
     for kind, slot, tensor in outputs:
         if kind == "k":
-            stored, cot = state.keys[slot, start:end], cotangent.keys[slot, start:end]
+            stored = stored_slice(state.keys, slot, start, end)
+            cot = stored_slice(cotangent.keys, slot, start, end)
             recomputed = tensor[0].transpose(0, 1)
         elif kind == "v":
-            stored, cot = state.values[slot, start:end], cotangent.values[slot, start:end]
+            stored = stored_slice(state.values, slot, start, end)
+            cot = stored_slice(cotangent.values, slot, start, end)
             recomputed = tensor[0].transpose(0, 1)
         elif kind in ("latent", "rope_key"):
-            stored = getattr(state, kind)[slot, start:end]
-            cot = getattr(cotangent, kind)[slot, start:end]
+            stored = stored_slice(getattr(state, kind), slot, start, end)
+            cot = stored_slice(getattr(cotangent, kind), slot, start, end)
             recomputed = tensor[0]
         elif kind == "indexer_key":
             # No cotangent: the indexer runs under no_grad (checked, never backpropagated).
             layer_idx = spec.mla.layer_indices[slot]
-            stored = state.indexer_key[spec.mla.indexer_slot(layer_idx), start:end]
+            stored = stored_slice(state.indexer_key, spec.mla.indexer_slot(layer_idx), start, end)
             cot, recomputed = None, tensor[0]
         elif kind == "conv":
             stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]

@@ -64,6 +64,15 @@ class EngineConfig(_Section):
     """Responses of a group that start with the same tokens (common first turns of agent
     trajectories) run that shared part once, as a prefix tree (gradients unchanged).
     Single-process runs only."""
+    state_budget_bytes: int | None = Field(default=None, ge=0)
+    """Bytes of prompt state (K/V or latents, and in exact mode their fp32 cotangent) kept on the
+    compute device; the rest waits in `state_tier` and is streamed in layer by layer, the next
+    layer prefetched while one computes. None keeps everything resident. Numbers are bitwise
+    those of the resident run; peak is at most max(budget, one layer) + one prefetched layer."""
+    state_tier: Literal["host", "disk"] = "host"
+    """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
+    state_dir: str | None = None
+    """Directory of the scratch files of `state_tier: disk` (None: the system temp directory)."""
 
 
 class HaystackDataConfig(_Section):
@@ -165,6 +174,7 @@ class RunConfig(_Section):
         for name, on in (
             ("branch_segment_tokens", self.engine.branch_segment_tokens is not None),
             ("share_response_prefixes", self.engine.share_response_prefixes),
+            ("state_budget_bytes", self.engine.state_budget_bytes is not None),
         ):
             if on and self.parallel.world_size > 1:
                 raise ValueError(

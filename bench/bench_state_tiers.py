@@ -1,0 +1,153 @@
+"""Exact-mode group step with the prompt state resident vs under a budget, the rest on local disk.
+
+    .venv/bin/python bench/bench_state_tiers.py [--length 8192] [--group 8] [--budget-mib 4]
+        [--out bench/results/state_tiers.json]
+
+`small` Qwen3.5 hybrid, fp32, exact mode, 2048-token shards, G responses of 32 tokens. Each
+configuration runs in its own subprocess. The prefill runs first, resident in both; then the
+peak RSS is reset (`/proc/self/clear_refs`), and the step (replay of every branch + the reverse
+sweep) is timed and its peak RSS above the floor (RSS at the reset, minus the state and its
+cotangent where those moved to disk) recorded. Ratios are tiered / resident, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHARD_TOKENS = 2048
+RESPONSE_TOKENS = 32
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch: str) -> dict:
+    import torch
+
+    from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.state_tiers import tier_state
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(42)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (length,), generator=gen)
+    responses = [torch.randint(0, vocab, (RESPONSE_TOKENS,), generator=gen) for _ in range(group)]
+    advantages = torch.linspace(-1, 1, group)
+    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    state_bytes = state.state_bytes()
+    tiered = None
+    if budget is not None:
+        tiered = tier_state(model, state, budget_bytes=budget, lower="disk", directory=scratch)
+        state = tiered.state
+    # The floor: model, prefill leftovers; from here on only the step's own memory counts.
+    Path("/proc/self/clear_refs").write_text("5")
+    floor_kib = _status_kib("VmRSS")
+    started = time.perf_counter()
+    stats = accumulate_group_gradients(
+        model, state, responses, advantages, GRPOConfig(), shard_tokens=SHARD_TOKENS
+    )
+    seconds = time.perf_counter() - started
+    peak_kib = _status_kib("VmHWM")
+    record = {
+        "budget_bytes": budget,
+        "step_s": seconds,
+        "replay_s": stats.seconds.replay,
+        "sweep_s": stats.seconds.sweep,
+        "floor_mib": floor_kib / 1024,
+        "peak_above_floor_mib": (peak_kib - floor_kib) / 1024,
+        "state_mib": state_bytes / 2**20,
+        "cotangent_mib": stats.cotangent_bytes / 2**20,
+        "loss": stats.loss,
+    }
+    if tiered is not None:
+        store = tiered.store
+        record.update(
+            peak_resident_mib=store.peak_resident_bytes / 2**20,
+            layer_mib=max(store.unit_bytes.values()) / 2**20,
+            read_mib=store.bytes_read / 2**20,
+            written_mib=store.bytes_written / 2**20,
+        )
+        tiered.close()
+    return record
+
+
+def run_config(args, budget: int | None) -> dict:
+    command = [
+        sys.executable, __file__, "--worker", "--checkpoint", args.checkpoint,
+        "--length", str(args.length), "--group", str(args.group), "--scratch", args.scratch,
+    ]  # fmt: skip
+    if budget is not None:
+        command += ["--budget", str(budget)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"budget_bytes": budget, "status": "error", "stderr": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--budget-mib", type=float, default=4.0)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--scratch", default=None)
+    parser.add_argument("--out", default="bench/results/state_tiers.json")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--budget", type=int, default=None)
+    args = parser.parse_args()
+    if args.worker:
+        print(
+            json.dumps(worker(args.checkpoint, args.length, args.group, args.budget, args.scratch))
+        )
+        return
+    if args.checkpoint is None:
+        from longstraw.models.factory import init_model
+
+        args.checkpoint = str(init_model("qwen3_5", "small", Path(tempfile.mkdtemp()) / "q-small"))
+    if args.scratch is None:
+        args.scratch = tempfile.mkdtemp(prefix="longstraw-tiers-")
+    budget = int(args.budget_mib * 2**20)
+    resident = run_config(args, None)
+    print(json.dumps(resident), flush=True)
+    tiered = run_config(args, budget)
+    print(json.dumps(tiered), flush=True)
+    ratios = {}
+    if "step_s" in resident and "step_s" in tiered:
+        ratios = {
+            "step_time": tiered["step_s"] / resident["step_s"],
+            "peak_above_floor": tiered["peak_above_floor_mib"] / resident["peak_above_floor_mib"],
+        }
+    out = {
+        "benchmark": "qwen3_5 small, exact mode: state resident vs budget + local-disk tier",
+        "length": args.length,
+        "group": args.group,
+        "shard_tokens": SHARD_TOKENS,
+        "response_tokens": RESPONSE_TOKENS,
+        "budget_bytes": budget,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "results": [resident, tiered],
+        "ratios_tiered_over_resident": ratios,
+    }
+    print(json.dumps(out["ratios_tiered_over_resident"]))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Replay from a committed prompt state without loading it: its K/V or latents stream per layer.
+
+Joins `longstraw.storage.streamed_state` (the Zarr chunks as a lower tier, checksummed as read)
+and `longstraw.engine.state_tiers` (the resident budget and the per-layer streaming).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from longstraw.engine.state import PrefixState, shard_bounds
+from longstraw.engine.state_tiers import TieredState, tiered_from_sources
+from longstraw.models.adapters import state_spec
+from longstraw.storage.streamed_state import StreamedCommittedState
+
+# Storage array names of the per-token arrays -> PrefixState fields.
+TOKEN_FIELDS = {
+    "full_attention/k": "keys",
+    "full_attention/v": "values",
+    "mla/latent": "latent",
+    "mla/rope_key": "rope_key",
+    "mla/indexer_key": "indexer_key",
+}
+
+
+def tier_committed_state(
+    model: PreTrainedModel,
+    streamed: StreamedCommittedState,
+    prompt_ids: torch.Tensor,
+    *,
+    budget_bytes: int,
+    lower: str = "host",
+    directory: str | None = None,
+    exact: bool = True,
+) -> TieredState:
+    """A tiered `PrefixState` (`longstraw.engine.state_tiers`) whose K/V or latents stream from
+    the committed Zarr state; the cotangents (exact mode) live in the `lower` tier."""
+    prompt_ids = torch.as_tensor(prompt_ids).cpu()
+    if prompt_ids.numel() - 1 != streamed.ref.num_tokens:
+        raise ValueError(
+            f"the committed state covers {streamed.ref.num_tokens} tokens but the prompt has "
+            f"{prompt_ids.numel()} (expected {streamed.ref.num_tokens + 1}); pass its prompt"
+        )
+    base = PrefixState(
+        state_spec(model),
+        prompt_ids,
+        streamed.shard_tokens,
+        shard_bounds(prompt_ids.numel() - 1, streamed.shard_tokens),
+        None,
+        None,
+        streamed.checkpoints.get("linear_attention/conv"),
+        streamed.checkpoints.get("linear_attention/recurrent"),
+    )
+    sources = {TOKEN_FIELDS[name]: source for name, source in streamed.token_tiers.items()}
+    return tiered_from_sources(
+        model,
+        base,
+        sources,
+        budget_bytes=budget_bytes,
+        lower=lower,
+        directory=directory,
+        exact=exact,
+    )
