@@ -68,7 +68,9 @@ class EngineConfig(_Section):
     """Bytes of prompt state (K/V or latents, and in exact mode their fp32 cotangent) kept on the
     compute device; the rest waits in `state_tier` and is streamed in layer by layer, the next
     layer prefetched while one computes. None keeps everything resident. Numbers are bitwise
-    those of the resident run; peak is at most max(budget, one layer) + one prefetched layer."""
+    those of the resident run; peak is at most max(budget, one layer) + one prefetched layer.
+    In `longstraw train` it applies to the backward stage (replay and reverse sweep); single
+    process only (parallel.world_size = 1)."""
     state_tier: Literal["host", "disk"] = "host"
     """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
     state_dir: str | None = None
