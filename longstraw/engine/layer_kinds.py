@@ -17,6 +17,7 @@ new class here, added to `LAYER_KINDS`.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ from longstraw.models.adapters import StateSpec
 STATE_ARRAYS = ("keys", "values", "conv", "recurrent", "latent", "rope_key", "indexer_key")
 
 
-class LayerKind:
+class LayerKind(abc.ABC):
     """A kind of decoder layer, named by its field of `StateSpec`."""
 
     field: str
@@ -48,13 +49,14 @@ class LayerKind:
         spec = self.spec(state_spec)
         return iter(()) if spec is None else enumerate(spec.layer_indices)
 
+    @abc.abstractmethod
     def allocate(
         self, spec: Any, *, num_tokens: int, num_checkpoints: int, dtype, device
     ) -> dict[str, torch.Tensor]:
         """This kind's arrays of a prompt state (names from `STATE_ARRAYS`), for `num_tokens`
         positions and `num_checkpoints` shard-boundary checkpoints."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def branch_layer(
         self,
         state,
@@ -69,8 +71,8 @@ class LayerKind:
     ) -> Any:
         """The cache layer one branch (or `batch_size` rows) replays this layer with; forked
         leaves of the state go into `leaves[slot]` (exact mode)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prefill_layer(
         self,
         state,
@@ -86,8 +88,8 @@ class LayerKind:
         """The cache layer one prefill shard runs this layer with: it reads the state's first
         `prefix_end` rows and writes the shard's `rows` of the per-token arrays, or (recurrent
         kinds) starts from checkpoint `checkpoint` and writes checkpoint `checkpoint + 1`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sweep_layer(
         self,
         state,
@@ -105,7 +107,6 @@ class LayerKind:
         the first `prefix_end` rows and adds their cotangent into `cotangent`, or (recurrent
         kinds) starts from a leaf fork of checkpoint `checkpoint` (`leaves[slot]`). `kwargs` carry
         the caller's capture hooks (`on_update`; `on_conv` / `on_recurrent`)."""
-        raise NotImplementedError
 
 
 class FullAttention(LayerKind):
