@@ -214,6 +214,36 @@ class PrefixMlaLayer:
         return self.branch[0].length
 
 
+class SegmentAttentionLayer(PrefixAttentionLayer):
+    """A full-attention layer that reads two prefixes: the prompt's K/V and the branch's earlier
+    segments (`extra_prefix`, handed to `prefix_cached_attention` by the attention function)."""
+
+    def __init__(self, prefix_k_TKD, prefix_v_TKD, *, extra_prefix, **kwargs):
+        super().__init__(prefix_k_TKD, prefix_v_TKD, **kwargs)
+        self.extra_prefix = extra_prefix
+        """(k [a, K, D], v [a, K, Dv], grad_k | None, grad_v | None) of branch positions < a."""
+
+
+class SegmentMlaLayer(PrefixMlaLayer):
+    """An MLA layer whose branch part starts with the branch's earlier segments: `update` returns
+    [earlier ; this forward's] latents, rope keys and indexer keys, so GLM's forward sees the
+    earlier positions as causal branch keys (queries sit at the last S of the X positions)."""
+
+    def __init__(self, *args, earlier, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.earlier = earlier
+        """(latent [a, R], rope [a, E], index key [a, Di] | None) of branch positions < a."""
+
+    def update(self, latent_BSR, rope_BSE, index_key_BSD):
+        if self.on_update is not None:
+            self.on_update(latent_BSR, rope_BSE, index_key_BSD)
+        new = (latent_BSR, rope_BSE, index_key_BSD)
+        return tuple(
+            None if cur is None else torch.cat([old.to(cur.dtype).unsqueeze(0), cur], dim=1)
+            for old, cur in zip(self.earlier, new, strict=True)
+        )
+
+
 class StateCache(Cache):
     """A transformers `Cache` over LongStraw layers, passed to the model as `cache=`.
 

@@ -27,6 +27,8 @@ from longstraw.engine.cache import (
     ForkedLinearAttentionLayer,
     PrefixAttentionLayer,
     PrefixMlaLayer,
+    SegmentAttentionLayer,
+    SegmentMlaLayer,
     ShardStartLinearAttentionLayer,
 )
 from longstraw.models.adapters import StateSpec
@@ -107,6 +109,27 @@ class LayerKind(abc.ABC):
         the first `prefix_end` rows and adds their cotangent into `cotangent`, or (recurrent
         kinds) starts from a leaf fork of checkpoint `checkpoint` (`leaves[slot]`). `kwargs` carry
         the caller's capture hooks (`on_update`; `on_conv` / `on_recurrent`)."""
+
+    @abc.abstractmethod
+    def segment_layer(
+        self,
+        prompt,
+        branch,
+        slot: int,
+        layer_idx: int,
+        k: int,
+        /,
+        *,
+        prompt_cotangent,
+        branch_cotangent,
+        leaves: dict,
+        on_update,
+    ) -> Any:
+        """The cache layer segment k of a long branch runs this layer with
+        (`engine.segmented_replay`): it reads the prompt's state and the branch's own state
+        before the segment (`branch`, a `PrefixState` whose shards are the segments), and hands
+        the segment's new state to `on_update(name, slot)`. With `branch_cotangent` (autograd)
+        the branch state it reads from a fork is a leaf (`leaves[slot]`)."""
 
 
 class FullAttention(LayerKind):
@@ -197,6 +220,38 @@ class FullAttention(LayerKind):
             **kwargs,
         )
 
+    def segment_layer(
+        self,
+        prompt,
+        branch,
+        slot,
+        layer_idx,
+        k,
+        /,
+        *,
+        prompt_cotangent,
+        branch_cotangent,
+        leaves,
+        on_update,
+    ):
+        del layer_idx, leaves  # the earlier segments' K/V cotangent goes to branch_cotangent
+        a, _ = branch.bounds[k]
+        grad = branch_cotangent is not None
+        extra = (
+            branch.keys[slot, :a],
+            branch.values[slot, :a],
+            branch_cotangent.keys[slot, :a] if grad else None,
+            branch_cotangent.values[slot, :a] if grad else None,
+        )
+        return SegmentAttentionLayer(
+            prompt.keys[slot],
+            prompt.values[slot],
+            grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
+            grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
+            extra_prefix=extra,
+            on_update=on_update("kv", slot),
+        )
+
 
 class GatedDeltaNet(LayerKind):
     """Linear attention: a conv tail and a recurrent state, checkpointed at shard starts."""
@@ -270,6 +325,33 @@ class GatedDeltaNet(LayerKind):
         recurrent = state.recurrent[slot, checkpoint].detach().requires_grad_(True)
         leaves[slot] = (conv, recurrent)
         return layer_class(conv.unsqueeze(0), recurrent.unsqueeze(0), **kwargs)
+
+    def segment_layer(
+        self,
+        prompt,
+        branch,
+        slot,
+        layer_idx,
+        k,
+        /,
+        *,
+        prompt_cotangent,
+        branch_cotangent,
+        leaves,
+        on_update,
+    ):
+        del prompt, prompt_cotangent, layer_idx  # the branch starts from the prompt's end state
+        conv, recurrent = branch.conv[slot, k], branch.recurrent[slot, k]
+        if branch_cotangent is not None:
+            conv = conv.detach().requires_grad_(True)
+            recurrent = recurrent.detach().requires_grad_(True)
+            leaves[slot] = (conv, recurrent)
+        return ForkedLinearAttentionLayer(
+            conv.unsqueeze(0),
+            recurrent.unsqueeze(0),
+            on_conv=on_update("conv", slot),
+            on_recurrent=on_update("recurrent", slot),
+        )
 
 
 class Mla(LayerKind):
@@ -377,6 +459,39 @@ class Mla(LayerKind):
             **kwargs,
         )
 
+    def segment_layer(
+        self,
+        prompt,
+        branch,
+        slot,
+        layer_idx,
+        k,
+        /,
+        *,
+        prompt_cotangent,
+        branch_cotangent,
+        leaves,
+        on_update,
+    ):
+        a, _ = branch.bounds[k]
+        mla = prompt.spec.mla
+        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+        latent, rope = branch.latent[slot, :a], branch.rope_key[slot, :a]
+        if branch_cotangent is not None:
+            latent = latent.detach().requires_grad_(True)
+            rope = rope.detach().requires_grad_(True)
+            leaves[slot] = (latent, rope)
+        index = None if index_slot is None else branch.indexer_key[index_slot, :a]
+        return SegmentMlaLayer(
+            prompt.latent[slot],
+            prompt.rope_key[slot],
+            None if index_slot is None else prompt.indexer_key[index_slot],
+            grad_latent_TR=None if prompt_cotangent is None else prompt_cotangent.latent[slot],
+            grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
+            on_update=on_update("mla", slot),
+            earlier=(latent, rope, index),
+        )
+
 
 LAYER_KINDS: tuple[LayerKind, ...] = (FullAttention(), GatedDeltaNet(), Mla())
 
@@ -465,6 +580,28 @@ def sweep_layers(
                 checkpoint=checkpoint,
                 leaves=leaves,
                 **_extra(kind_kwargs, kind, slot),
+            )
+    return layers
+
+
+def segment_layers(
+    prompt, branch, k: int, *, prompt_cotangent, branch_cotangent, leaves: dict, on_update
+) -> list:
+    """[num_layers] the cache layers segment k of a long branch runs with
+    (`LayerKind.segment_layer`); `leaves` receives each kind's leaves by its field and slot."""
+    layers: list = [None] * prompt.spec.num_layers
+    for kind in LAYER_KINDS:
+        for slot, layer_idx in kind.slots(prompt.spec):
+            layers[layer_idx] = kind.segment_layer(
+                prompt,
+                branch,
+                slot,
+                layer_idx,
+                k,
+                prompt_cotangent=prompt_cotangent,
+                branch_cotangent=branch_cotangent,
+                leaves=leaves.setdefault(kind.field, {}),
+                on_update=on_update,
             )
     return layers
 

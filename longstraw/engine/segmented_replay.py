@@ -37,47 +37,13 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.cache import (
-    ForkedLinearAttentionLayer,
-    PrefixAttentionLayer,
-    PrefixMlaLayer,
-    StateCache,
-)
+from longstraw.engine.cache import StateCache
+from longstraw.engine.layer_kinds import segment_layers
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import RecomputedStateMismatchError
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
-
-
-class SegmentAttentionLayer(PrefixAttentionLayer):
-    """A full-attention layer that reads two prefixes: the prompt's K/V and the branch's earlier
-    segments (`extra_prefix`, handed to `prefix_cached_attention` by the attention function)."""
-
-    def __init__(self, prefix_k_TKD, prefix_v_TKD, *, extra_prefix, **kwargs):
-        super().__init__(prefix_k_TKD, prefix_v_TKD, **kwargs)
-        self.extra_prefix = extra_prefix
-        """(k [a, K, D], v [a, K, Dv], grad_k | None, grad_v | None) of branch positions < a."""
-
-
-class SegmentMlaLayer(PrefixMlaLayer):
-    """An MLA layer whose branch part starts with the branch's earlier segments: `update` returns
-    [earlier ; this forward's] latents, rope keys and indexer keys, so GLM's forward sees the
-    earlier positions as causal branch keys (queries sit at the last S of the X positions)."""
-
-    def __init__(self, *args, earlier, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.earlier = earlier
-        """(latent [a, R], rope [a, E], index key [a, Di] | None) of branch positions < a."""
-
-    def update(self, latent_BSR, rope_BSE, index_key_BSD):
-        if self.on_update is not None:
-            self.on_update(latent_BSR, rope_BSE, index_key_BSD)
-        new = (latent_BSR, rope_BSE, index_key_BSD)
-        return tuple(
-            None if cur is None else torch.cat([old.to(cur.dtype).unsqueeze(0), cur], dim=1)
-            for old, cur in zip(self.earlier, new, strict=True)
-        )
 
 
 def segment_bounds(num_tokens: int, segment_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -119,65 +85,21 @@ def _segment_cache(
     prompt_cotangent: PromptCotangent | None,
     branch_cotangent: PromptCotangent | None,
     on_update: Callable[[str, int], Callable[..., None]],
-) -> tuple[StateCache, dict[int, tuple[torch.Tensor, ...]]]:
-    """The cache of segment k and, with autograd (`branch_cotangent` given), its leaves:
-    {linear slot: (conv, recurrent)} at the segment start and {mla slot: (latent, rope)} of
-    the earlier branch positions."""
-    spec = prompt.spec
+) -> tuple[StateCache, dict[str, dict[int, tuple[torch.Tensor, ...]]]]:
+    """The cache of segment k and, with autograd (`branch_cotangent` given), its leaves by
+    kind (`LayerKind.segment_layer`): {"linear_attention": {slot: (conv, recurrent)} at the
+    segment start, "mla": {slot: (latent, rope)} of the earlier branch positions}."""
     a, _ = branch.bounds[k]
-    grad = branch_cotangent is not None
-    layers: list = [None] * spec.num_layers
-    leaves: dict = {"linear": {}, "mla": {}}
-    if spec.full_attention is not None:
-        for slot, layer_idx in enumerate(spec.full_attention.layer_indices):
-            extra = (
-                branch.keys[slot, :a],
-                branch.values[slot, :a],
-                branch_cotangent.keys[slot, :a] if grad else None,
-                branch_cotangent.values[slot, :a] if grad else None,
-            )
-            layers[layer_idx] = SegmentAttentionLayer(
-                prompt.keys[slot],
-                prompt.values[slot],
-                grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
-                grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
-                extra_prefix=extra,
-                on_update=on_update("kv", slot),
-            )
-    if spec.linear_attention is not None:
-        for slot, layer_idx in enumerate(spec.linear_attention.layer_indices):
-            conv, recurrent = branch.conv[slot, k], branch.recurrent[slot, k]
-            if grad:
-                conv = conv.detach().requires_grad_(True)
-                recurrent = recurrent.detach().requires_grad_(True)
-                leaves["linear"][slot] = (conv, recurrent)
-            layers[layer_idx] = ForkedLinearAttentionLayer(
-                conv.unsqueeze(0),
-                recurrent.unsqueeze(0),
-                on_conv=on_update("conv", slot),
-                on_recurrent=on_update("recurrent", slot),
-            )
-    if spec.mla is not None:
-        mla = spec.mla
-        for slot, layer_idx in enumerate(mla.layer_indices):
-            index_slot = (
-                mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
-            )
-            latent, rope = branch.latent[slot, :a], branch.rope_key[slot, :a]
-            if grad:
-                latent = latent.detach().requires_grad_(True)
-                rope = rope.detach().requires_grad_(True)
-                leaves["mla"][slot] = (latent, rope)
-            index = None if index_slot is None else branch.indexer_key[index_slot, :a]
-            layers[layer_idx] = SegmentMlaLayer(
-                prompt.latent[slot],
-                prompt.rope_key[slot],
-                None if index_slot is None else prompt.indexer_key[index_slot],
-                grad_latent_TR=None if prompt_cotangent is None else prompt_cotangent.latent[slot],
-                grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
-                on_update=on_update("mla", slot),
-                earlier=(latent, rope, index),
-            )
+    leaves: dict = {}
+    layers = segment_layers(
+        prompt,
+        branch,
+        k,
+        prompt_cotangent=prompt_cotangent,
+        branch_cotangent=branch_cotangent,
+        leaves=leaves,
+        on_update=on_update,
+    )
     return StateCache(layers, position_offset=prompt.num_tokens + a), leaves
 
 
@@ -302,12 +224,12 @@ def _segment_backward(
             grads.append(cot.to(recomputed.dtype))
     torch.autograd.backward(tensors, grads)
 
-    for slot, (latent, rope) in leaves["mla"].items():
+    for slot, (latent, rope) in leaves.get("mla", {}).items():
         if latent.grad is not None:
             bcot.latent[slot, :a] += latent.grad.float()
         if rope.grad is not None:
             bcot.rope_key[slot, :a] += rope.grad.float()
-    for slot, (conv, recurrent) in leaves["linear"].items():
+    for slot, (conv, recurrent) in leaves.get("linear_attention", {}).items():
         # The start state of segment k is read by nothing else: its cotangent replaces the
         # end's (the caller hands that of the first segment on: parent node or prompt).
         bcot.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()

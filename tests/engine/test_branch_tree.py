@@ -14,7 +14,6 @@ from engine_helpers import assert_grads_close, random_ids, vocab_of
 from test_segmented_replay import (
     FAMILIES,
     PROMPT_LEN,
-    SHARD_TOKENS,
     _engine_grads,
     _full_sequence_grads,
     _masks,
@@ -80,21 +79,6 @@ def test_shared_turns_give_the_log_probs_and_gradient_of_separate_replay(tiny_mo
 
 
 def _shared_grads(model, prompt, responses, advantages, masks, cfg, mode, segment):
-    from engine_helpers import take_grads, zero_grads
-
-    from longstraw.engine.group import accumulate_group_gradients
-
-    zero_grads(model)
-    stats = accumulate_group_gradients(
-        model,
-        prompt,
-        responses,
-        advantages,
-        cfg,
-        shard_tokens=SHARD_TOKENS,
-        prompt_grad=mode,
-        loss_masks=masks,
-        branch_segment_tokens=segment,
-        share_prefixes=True,
+    return _engine_grads(
+        model, prompt, responses, advantages, masks, cfg, mode, segment, share_prefixes=True
     )
-    return take_grads(model), stats

@@ -60,7 +60,9 @@ def _full_sequence_grads(model, prompt, responses, advantages, masks, cfg):
     return take_grads(model)
 
 
-def _engine_grads(model, prompt, responses, advantages, masks, cfg, mode, segment):
+def _engine_grads(
+    model, prompt, responses, advantages, masks, cfg, mode, segment, *, share_prefixes=False
+):
     zero_grads(model)
     stats = accumulate_group_gradients(
         model,
@@ -72,6 +74,7 @@ def _engine_grads(model, prompt, responses, advantages, masks, cfg, mode, segmen
         prompt_grad=mode,
         loss_masks=masks,
         branch_segment_tokens=segment,
+        share_prefixes=share_prefixes,
     )
     return take_grads(model), stats
 
