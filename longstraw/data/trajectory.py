@@ -143,3 +143,90 @@ def read_trajectory_file(
                 "give one per assistant token, in order",
             )
         yield record, tokens
+
+
+_SENTINEL = "\x00LONGSTRAW-{}\x00"
+
+
+def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the tokenizer has no chat template; use a checkpoint whose tokenizer has one "
+            "(with {% generation %} around assistant text), or set tokenizer.chat_template"
+        )
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _split_at(text: str, sentinel: str, what: str) -> tuple[str, str]:
+    if text.count(sentinel) != 1:
+        raise UserError(f"the chat template does not render a {what} message's content verbatim")
+    head, tail = text.split(sentinel)
+    return head, tail
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+@dataclass(frozen=True)
+class ChatFraming:
+    """The chat template's tokens around agent turns, read off the template itself.
+
+    Rendering `[user, assistant "A"]` and then the same with an observation message added (and
+    the next assistant header) gives: the tokens that close an assistant turn (`close_ids`,
+    e.g. `<|im_end|>` `\\n` in ChatML), and the text before and after an observation's content.
+    The first close token, when the tokenizer has it as one special token, is what ends a
+    sampled turn (`turn_stop_ids`); the model samples it, so it is trained.
+    """
+
+    close_ids: tuple[int, ...]
+    observation_head: str
+    observation_tail: str
+    tokenizer: object
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, *, observation_role: str = "tool") -> ChatFraming:
+        user = {"role": "user", "content": "Q"}
+        turn = {"role": "assistant", "content": _SENTINEL.format("A")}
+        base = _render(tokenizer, [user, turn])
+        _, close = _split_at(base, turn["content"], "assistant")
+        tool = {"role": observation_role, "content": _SENTINEL.format("O")}
+        full = _render(tokenizer, [user, turn, tool], add_generation_prompt=True)
+        if not full.startswith(base):
+            raise UserError(
+                f"the chat template renders the conversation differently once a "
+                f"{observation_role!r} message follows; use a template whose turns concatenate"
+            )
+        head, tail = _split_at(full[len(base) :], tool["content"], observation_role)
+        return cls(tuple(_ids(tokenizer, close)), head, tail, tokenizer)
+
+    @property
+    def turn_stop_ids(self) -> tuple[int, ...]:
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        return (self.close_ids[0],) if self.close_ids and self.close_ids[0] in special else ()
+
+    def close_turn(self, stop_id: int | None) -> list[int]:
+        if self.close_ids and stop_id == self.close_ids[0]:
+            return list(self.close_ids[1:])
+        return list(self.close_ids)
+
+    def observation(self, text: str) -> list[int]:
+        return _ids(self.tokenizer, self.observation_head + text + self.observation_tail)
+
+
+def chat_prompt_ids(
+    tokenizer, prompt_ids: Sequence[int], *, system: str | None = None
+) -> list[int]:
+    """[P'] `prompt_ids` as the content of a user message, framed by the chat template (an
+    optional system message first) and followed by the first assistant header.
+
+    The given ids are kept as they are (a long prompt is never re-tokenized); only the framing
+    around them is tokenized.
+    """
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    messages.append({"role": "user", "content": _SENTINEL.format("U")})
+    text = _render(tokenizer, messages, add_generation_prompt=True)
+    head, tail = _split_at(text, messages[-1]["content"], "user")
+    return _ids(tokenizer, head) + list(prompt_ids) + _ids(tokenizer, tail)

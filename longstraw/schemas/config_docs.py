@@ -175,7 +175,8 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     if get_origin(annotation) is typing.Annotated:
         return _models_in(get_args(annotation)[0])
     if get_origin(annotation) in (Union, types.UnionType):
-        members = get_args(annotation)
+        # An optional section (`Section | None`) is documented as its section.
+        members = [m for m in get_args(annotation) if m is not type(None)]
         if all(isinstance(m, type) and issubclass(m, BaseModel) for m in members):
             return list(members)
     return []

@@ -132,6 +132,15 @@ class RolloutRecord(_Ref):
     rewards: list[float]
     importance_weights: list[list[float]] | None = None
     """[G][R_i] truncated importance weights of imported responses (None for own rollouts)."""
+    loss_masks: list[list[int]] | None = None
+    """[G][R_i] 1 on the tokens the policy sampled, 0 on given ones (an agent trajectory's tool
+    output and chat framing); None: every token counts."""
+    finish_reasons: list[str] | None = None
+    """[G] how each agent trajectory ended: done, max_turns, length or error."""
+    num_turns: list[int] | None = None
+    """[G] assistant turns of each agent trajectory."""
+    errors: list[str | None] | None = None
+    """[G] the environment's error that ended a trajectory (None where it did not fail)."""
 
 
 class ScoresRef(_Ref):

@@ -82,6 +82,10 @@ class StepMetrics(BaseModel):
     num_groups: int = 1
     truncated_fraction: float = 0.0
     """Responses that hit max_completion_length."""
+    turns_mean: float | None = None
+    """Assistant turns per agent trajectory (None: not an agent run)."""
+    environment_errors: int = 0
+    """Agent trajectories the environment ended with an error or a time-out."""
     seconds: dict[str, float] = Field(default_factory=dict)
     """Wall-clock seconds per stage: prefill, rollout, reward, reference, replay, sweep, update, checkpoint."""
     peak_rss_bytes: int = 0

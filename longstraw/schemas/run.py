@@ -7,7 +7,7 @@ the field rather than a silently ignored setting. GRPO knobs keep TRL's names (`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -112,6 +112,31 @@ class JsonlDataConfig(_Section):
 DataConfig = Annotated[HaystackDataConfig | JsonlDataConfig, Field(discriminator="type")]
 
 
+class AgentConfig(_Section):
+    """Multi-turn rollout with an environment: assistant turns are sampled, the environment's
+    answers are appended between them (not trained), until it says done."""
+
+    environment: str
+    """A registered environment (`key_lookup`, `calculator`) or `package.module:Class` with
+    reset(metadata) and step(assistant_text) -> (observation, done, reward)."""
+    environment_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = Field(default=4, ge=1)
+    """Assistant turns per trajectory."""
+    max_turn_tokens: int = Field(default=64, ge=1)
+    """Tokens one assistant turn may sample (it ends earlier at the template's end-of-turn
+    token). The whole trajectory's budget, observations included, is
+    `grpo.max_completion_length`."""
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest wait for one environment call; a slower or failing environment ends that
+    trajectory with the error recorded (reward `error_reward`), never the step."""
+    error_reward: float = Field(default=0.0, allow_inf_nan=False)
+    """Reward of a trajectory the environment ended with an error or a time-out. A trajectory
+    the environment gave no reward is scored by `data.rewards` on its last assistant turn."""
+    system_prompt: bool = True
+    """Start each prompt with the environment's `system_prompt` (if it has one)."""
+
+
 class TrainConfig(_Section):
     """The training loop."""
 
@@ -170,6 +195,26 @@ class RunConfig(_Section):
     """Where prompt states and checkpoints live, and how prompt states are persisted."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """torch.distributed processes sharing one step."""
+    agent: AgentConfig | None = None
+    """Multi-turn rollout with an environment (None: one sampled response per branch, scored by
+    `data.rewards`). Prompts are then framed by the tokenizer's chat template, and the
+    environment's reward is the trajectory's."""
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> RunConfig:
+        if self.agent is None:
+            return self
+        if self.parallel.world_size > 1:
+            raise ValueError(
+                "agent is set but parallel.world_size > 1: multi-turn rollout runs in a single "
+                "process; remove agent or set parallel.world_size: 1"
+            )
+        if getattr(self.data, "responses_path", None) is not None:
+            raise ValueError(
+                "agent and data.responses_path are both set: either sample trajectories with "
+                "the environment or train on imported responses, not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _segments_need_one_rank(self) -> RunConfig:

@@ -26,7 +26,7 @@ from longstraw.storage.checkpoints import (
     local_root,
     run_dir,
 )
-from longstraw.training.prompts import prompt_source
+from longstraw.training.prompts import run_prompt_source
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -202,7 +202,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         model=model,
         tokenizer=tokenizer,
         optimizer=optimizer,
-        source=prompt_source(config.data, tokenizer),
+        source=run_prompt_source(config, tokenizer),
         checkpoint=policy.checkpoint,
         checkpoint_is_run_start=policy.checkpoint_is_run_start,
         step=policy.step,

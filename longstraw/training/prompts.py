@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,8 @@ import torch
 
 from longstraw.data.haystack import generate_haystack_task
 from longstraw.data.jsonl import read_prompt_dataset
-from longstraw.schemas.run import HaystackDataConfig, JsonlDataConfig
+from longstraw.data.trajectory import chat_prompt_ids
+from longstraw.schemas.run import HaystackDataConfig, JsonlDataConfig, RunConfig
 
 
 @dataclass
@@ -100,3 +101,32 @@ def prompt_source(config: HaystackDataConfig | JsonlDataConfig, tokenizer):
     if isinstance(config, HaystackDataConfig):
         return HaystackPrompts(config, tokenizer)
     return JsonlPrompts(config, tokenizer)
+
+
+class ChatPrompts:
+    """Another source's prompts as the user message of a chat (agent runs): framed by the
+    tokenizer's chat template, an optional system message first, the first assistant header
+    last. The prompt's own ids are kept; its text (for rewards and environments) too."""
+
+    imported = None
+
+    def __init__(self, source, tokenizer, *, system: str | None):
+        self.source = source
+        self.tokenizer = tokenizer
+        self.system = system
+
+    def __call__(self, index: int) -> PromptExample:
+        example = self.source(index)
+        ids = chat_prompt_ids(self.tokenizer, example.prompt_ids.tolist(), system=self.system)
+        return replace(example, prompt_ids=torch.tensor(ids, dtype=torch.int64))
+
+
+def run_prompt_source(config: RunConfig, tokenizer):
+    """The prompts a run trains on: its data source, chat-framed when it runs an agent."""
+    source = prompt_source(config.data, tokenizer)
+    if config.agent is None:
+        return source
+    from longstraw.data.environments import system_prompt
+
+    system = system_prompt(config.agent.environment) if config.agent.system_prompt else None
+    return ChatPrompts(source, tokenizer, system=system)

@@ -57,6 +57,7 @@ from longstraw.storage.checkpoints import (
     save_training_checkpoint,
 )
 from longstraw.training import held
+from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import write_step_metrics
@@ -194,6 +195,9 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     started = time.perf_counter()
     imported = getattr(ctx.source, "imported", None)
     weights = None
+    if config.agent is not None:
+        generator = held.sampling_generator(config, policy.step, prompt.index)
+        return _agent_rollout(ctx, policy, prompt, example, state, generator, started)
     if imported is None:
         generator = held.sampling_generator(config, policy.step, prompt.index)
         responses = _sample(ctx, state, generator)
@@ -252,6 +256,40 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     )
 
 
+def _agent_rollout(ctx, policy, prompt, example, state, generator, started) -> RolloutRef:
+    """The agent run's rollout: trajectories with the environment (single process)."""
+    config = ctx.config
+    trajectories = sample_trajectories(ctx, state, example, sampling_params(ctx), generator)
+    rollout_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    register_haystack_rewards()
+    rewards = trajectory_rewards(config, example, trajectories)
+    record = RolloutRecord(
+        prompt=prompt,
+        response_ids=[t.token_ids for t in trajectories],
+        sampler_logprobs=[t.logprobs for t in trajectories],
+        texts=[t.text for t in trajectories],
+        truncated=[t.truncated for t in trajectories],
+        rewards=rewards,
+        loss_masks=[t.loss_mask for t in trajectories],
+        finish_reasons=[t.finish_reason for t in trajectories],
+        num_turns=[len(t.turns) for t in trajectories],
+        errors=[t.error for t in trajectories],
+    )
+    path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
+        f"rollout-g{prompt.index}.json"
+    )
+    uri, digest = artifacts.write_json(path, record)
+    return RolloutRef(
+        uri=uri,
+        digest=digest,
+        prompt=prompt,
+        step=policy.step,
+        rewards=record.rewards,
+        seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+    )
+
+
 def rollout_record(rollout: RolloutRef) -> RolloutRecord:
     return artifacts.read_json(rollout.uri, rollout.digest, RolloutRecord)
 
@@ -291,10 +329,11 @@ def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> Advanta
     masks = []
     for rollout in rollouts:
         record = rollout_record(rollout)
+        given = record.loss_masks or [[1] * len(ids) for ids in record.response_ids]
         masks.append(
             [
-                loss_mask(torch.ones(len(ids)), truncated, config.grpo).tolist()
-                for ids, truncated in zip(record.response_ids, record.truncated, strict=True)
+                loss_mask(torch.tensor(mask, dtype=torch.float32), truncated, config.grpo).tolist()
+                for mask, truncated in zip(given, record.truncated, strict=True)
             ]
         )
     return AdvantagePlan(

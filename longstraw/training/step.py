@@ -131,6 +131,7 @@ def run_step(
         started = time.perf_counter()
         current = stages.write_checkpoint(config, current)
         add("checkpoint", time.perf_counter() - started)
+    records = [_stages.rollout_record(r) for r in rollouts]
     metrics = step_metrics(
         step=policy.step,
         policy_version=policy.policy_version,
@@ -140,14 +141,25 @@ def run_step(
         update=update,
         prompt_tokens=sum(p.num_tokens for p in prompts),
         num_items=plan.num_items_in_batch,
-        truncated=[t for r in rollouts for t in _stages.rollout_record(r).truncated],
+        truncated=[t for r in records for t in r.truncated],
         seconds=seconds,
         shards_computed=sum(r.shards_computed for r in reports),
         shards_reused=sum(r.shards_reused for r in reports),
     )
+    if config.agent is not None:
+        metrics = metrics.model_copy(update=agent_metrics(records))
     metrics = stages.record_step(config, metrics)
     progress.emit("step", step=metrics.step)
     return current, metrics
+
+
+def agent_metrics(records) -> dict:
+    """The agent fields of a step's metrics, from its rollout records."""
+    turns = [n for r in records for n in (r.num_turns or [])]
+    return {
+        "turns_mean": sum(turns) / len(turns) if turns else 0.0,
+        "environment_errors": sum(e is not None for r in records for e in (r.errors or [])),
+    }
 
 
 def _std(values: torch.Tensor) -> float:
