@@ -2,7 +2,7 @@
 
 `preflight(config, resume)` raises `UserError` ("<what> — <fix>") for the first problem found:
 the model checkpoint, `--resume` without a committed checkpoint, reward specs that do not import
-or do not take `(prompt, response, metadata)`, a storage root that cannot be written, more ranks
+or do not take `(prompt, response, metadata)`, an agent environment that does not load, a storage root that cannot be written, more ranks
 than prefill shards, a missing JSONL dataset. Each check is cheap: no weights are loaded.
 """
 
@@ -25,6 +25,7 @@ def preflight(config: RunConfig, resume: bool) -> None:
     check_resume(config, resume)
     check_data(config)
     check_rewards(config)
+    check_environment(config)
     check_world_size(config)
     check_storage_writable(config)
 
@@ -105,6 +106,18 @@ def check_rewards(config: RunConfig) -> None:
                 f"called as (prompt, response, metadata) ({err}) — define it as "
                 "def reward(prompt: str, response: str, metadata: dict) -> float"
             ) from err
+
+
+def check_environment(config: RunConfig) -> None:
+    """An agent run's environment imports, has reset/step and takes its environment_args."""
+    if config.agent is None:
+        return
+    from longstraw.data.environments import environment_factory
+
+    try:
+        environment_factory(config.agent.environment, config.agent.environment_args)
+    except UserError as exc:
+        raise UserError(f"agent.environment: {exc} — fix agent.environment or its args") from None
 
 
 def check_world_size(config: RunConfig) -> None:
