@@ -45,12 +45,12 @@ def _env(home: Path) -> dict[str, str]:
 
 
 def test_sigkill_mid_step_then_resume_reuses_shards_and_matches_uninterrupted(
-    tmp_path, runs_root, in_process_digest
+    tmp_path, runs_root, in_process_digest, fresh_prefect_home
 ):
     config = tiny_run_config(runs_root, RUN_ID, num_steps=2)
     config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, RUN_ID, num_steps=2)
     run_dir = runs_root / "runs" / RUN_ID
-    env = _env(tmp_path / "prefect")
+    env = _env(fresh_prefect_home(tmp_path / "prefect"))
 
     process = subprocess.Popen(
         _train_command(config_path),

@@ -36,13 +36,15 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(tmp_path, runs_root):
+def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
+    tmp_path, runs_root, fresh_prefect_home
+):
     config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "interrupted", num_steps=3)
     first_checkpoint = runs_root / "runs" / "interrupted" / "checkpoints" / "v000001"
     process = subprocess.Popen(
         [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
         cwd=tmp_path,
-        env=_env(tmp_path / "prefect"),
+        env=_env(fresh_prefect_home(tmp_path / "prefect")),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

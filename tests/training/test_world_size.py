@@ -146,13 +146,14 @@ def _algorithm(m) -> dict:
 
 
 def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
-    tmp_path, checkpoint_dir, single_process
+    tmp_path, checkpoint_dir, single_process, fresh_prefect_home
 ):
     _, reference_checkpoint, reference_history = single_process
     root = tmp_path / "root"
     config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
     # The Prefect flow (embedded API) with its stages on two ranks.
+    fresh_prefect_home(tmp_path / "prefect")
     process = _train(path, tmp_path, _env(tmp_path))
     out, _ = process.communicate(timeout=900)
     assert process.returncode == 0, out.decode()[-4000:]
