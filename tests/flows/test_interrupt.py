@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flow_helpers import write_run_yaml
+from flow_helpers import NUM_GENERATIONS, write_run_yaml
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -30,8 +30,10 @@ def _env(home: Path) -> dict[str, str]:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
         PYTHONPATH=os.pathsep.join([str(REPO), str(FLOWS_DIR), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="2",
-        # Each reward call sleeps: the run is still inside step 1 when the signal comes.
+        # Each of step 1's reward calls sleeps (step 0's G are not delayed): the run is still
+        # inside step 1 when the signal comes.
         LONGSTRAW_TEST_REWARD_DELAY_S="0.5",
+        LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS=str(NUM_GENERATIONS),
     )
     return env
 
