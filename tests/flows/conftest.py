@@ -8,9 +8,12 @@ only when a test asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -32,23 +35,38 @@ os.environ.pop("PREFECT_PROFILES_PATH", None)
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """A temporary Prefect API (SQLite in a temp dir) for every flow of the session."""
+def prefect_harness(migrated_prefect_db):
+    """A temporary Prefect API (SQLite in a temp dir) for every flow of the session.
+
+    The harness creates its database as `prefect-test.db` in a directory of its own (`mkdtemp`);
+    it is handed a directory that already holds a copy of the session's migrated database, so its
+    server starts without creating and migrating one.
+    """
+    import prefect.testing.utilities as harness_module
     from prefect.settings import (
         PREFECT_HOME,
         PREFECT_LOCAL_STORAGE_PATH,
         PREFECT_SERVER_ANALYTICS_ENABLED,
         temporary_settings,
     )
-    from prefect.testing.utilities import prefect_test_harness
 
     settings = {
         PREFECT_HOME: PREFECT_TEST_HOME,
         PREFECT_LOCAL_STORAGE_PATH: PREFECT_TEST_HOME / "results",
         PREFECT_SERVER_ANALYTICS_ENABLED: False,
     }
-    # 120 s: a first start on a loaded 2-core machine can exceed the default 30 s.
-    with temporary_settings(updates=settings), prefect_test_harness(server_startup_timeout=120):
+    db_dir = Path(tempfile.mkdtemp(prefix="longstraw-harness-db-"))
+    shutil.copyfile(migrated_prefect_db, db_dir / "prefect-test.db")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_settings(updates=settings))
+        # mock.patch.object refuses a missing attribute: a Prefect that no longer calls
+        # `mkdtemp` there fails here instead of silently migrating a database of its own.
+        with mock.patch.object(harness_module, "mkdtemp", lambda: str(db_dir)):
+            # 120 s: a first start on a loaded 2-core machine can exceed the default 30 s.
+            stack.enter_context(harness_module.prefect_test_harness(server_startup_timeout=120))
+        from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+        assert str(db_dir) in PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
         yield
 
 

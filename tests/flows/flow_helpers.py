@@ -8,6 +8,7 @@ very same optimizer trajectory as an uninterrupted one.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,10 @@ REWARD_SPEC = "flow_helpers:text_checksum_reward"
 """Importable when tests/flows is on sys.path (pytest puts it there; subprocesses get PYTHONPATH)."""
 
 
+_REWARD_CALLS = itertools.count()
+"""Reward calls made in this process while a delay is set (rewards run on rank 0 only)."""
+
+
 def text_checksum_reward(prompt: str, response: str, metadata: dict) -> float:
     """A deterministic reward that differs between responses.
 
@@ -35,9 +40,13 @@ def text_checksum_reward(prompt: str, response: str, metadata: dict) -> float:
     gradient) would be zero and weight digests could not tell runs apart; this one always varies.
     `LONGSTRAW_TEST_REWARD_DELAY_S` makes each call slow without changing its value: the crash
     test uses it to hold a step open, after its prompt state is committed, long enough to kill it.
+    `LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS` (default 0) leaves the process's first calls (the
+    steps before the one the test holds open) undelayed.
     """
     delay = float(os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_S", "0"))
-    if delay:
+    if delay and next(_REWARD_CALLS) >= int(
+        os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS", "0")
+    ):
         time.sleep(delay)
     return (sum(response.encode()) % 11) / 10.0
 

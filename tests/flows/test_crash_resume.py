@@ -13,17 +13,24 @@ import time
 from pathlib import Path
 
 import pytest
-from flow_helpers import NUM_SHARDS, final_weights_digest, tiny_run_config, write_run_yaml
+from flow_helpers import (
+    NUM_GENERATIONS,
+    NUM_SHARDS,
+    final_weights_digest,
+    tiny_run_config,
+    write_run_yaml,
+)
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 RUN_ID = "crash"
 FLOWS_DIR = Path(__file__).parent
 KILL_DELAY_S = 0.3
-"""Seconds between step 1's state commit and the kill. The killed run scores rewards slowly
-(`LONGSTRAW_TEST_REWARD_DELAY_S`, 1 s per response, same values), so the step stays open for
-seconds after its commit on any machine: the kill lands inside the step, before its checkpoint,
-without a timing race (a fast machine finished the whole step within 0.2 s otherwise)."""
+"""Seconds between step 1's state commit and the kill. The killed run scores step 1's rewards
+slowly (`LONGSTRAW_TEST_REWARD_DELAY_S`, 1 s per response, same values; step 0's G rewards are
+not delayed), so the step stays open for seconds after its commit on any machine: the kill lands
+inside the step, before its checkpoint, without a timing race (a fast machine finished the whole
+step within 0.2 s otherwise)."""
 
 
 def _train_command(config_path: Path, *extra: str) -> list[str]:
@@ -45,17 +52,21 @@ def _env(home: Path) -> dict[str, str]:
 
 
 def test_sigkill_mid_step_then_resume_reuses_shards_and_matches_uninterrupted(
-    tmp_path, runs_root, in_process_digest
+    tmp_path, runs_root, in_process_digest, fresh_prefect_home
 ):
     config = tiny_run_config(runs_root, RUN_ID, num_steps=2)
     config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, RUN_ID, num_steps=2)
     run_dir = runs_root / "runs" / RUN_ID
-    env = _env(tmp_path / "prefect")
+    env = _env(fresh_prefect_home(tmp_path / "prefect"))
 
     process = subprocess.Popen(
         _train_command(config_path),
         cwd=tmp_path,
-        env={**env, "LONGSTRAW_TEST_REWARD_DELAY_S": "1.0"},
+        env={
+            **env,
+            "LONGSTRAW_TEST_REWARD_DELAY_S": "1.0",
+            "LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS": str(NUM_GENERATIONS),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # the ephemeral Prefect server dies with it, as on a lost node

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flow_helpers import write_run_yaml
+from flow_helpers import NUM_GENERATIONS, write_run_yaml
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -30,19 +30,23 @@ def _env(home: Path) -> dict[str, str]:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
         PYTHONPATH=os.pathsep.join([str(REPO), str(FLOWS_DIR), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="2",
-        # Each reward call sleeps: the run is still inside step 1 when the signal comes.
+        # Each of step 1's reward calls sleeps (step 0's G are not delayed): the run is still
+        # inside step 1 when the signal comes.
         LONGSTRAW_TEST_REWARD_DELAY_S="0.5",
+        LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS=str(NUM_GENERATIONS),
     )
     return env
 
 
-def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(tmp_path, runs_root):
+def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
+    tmp_path, runs_root, fresh_prefect_home
+):
     config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "interrupted", num_steps=3)
     first_checkpoint = runs_root / "runs" / "interrupted" / "checkpoints" / "v000001"
     process = subprocess.Popen(
         [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
         cwd=tmp_path,
-        env=_env(tmp_path / "prefect"),
+        env=_env(fresh_prefect_home(tmp_path / "prefect")),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -94,7 +94,9 @@ def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout: float 
         time.sleep(0.25)
 
 
-def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, runs_root):
+def test_deployment_on_a_real_server_runs_through_a_process_worker(
+    tmp_path, runs_root, fresh_prefect_home
+):
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.deployments import run_deployment
@@ -102,7 +104,7 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(tmp_path, run
 
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    server_env = _env(tmp_path / "server-home", None)
+    server_env = _env(fresh_prefect_home(tmp_path / "server-home"), None)
     client_env = _env(tmp_path / "client-home", api_url)
     server = _start(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -72,13 +73,21 @@ def algorithm_fields(metrics: StepMetrics) -> dict:
     return metrics.model_dump(exclude=MACHINE_FIELDS)
 
 
+_REWARD_CALLS = itertools.count()
+"""Reward calls made in this process while a delay is set (rewards run on rank 0 only)."""
+
+
 def checksum_reward(prompt: str, response: str, metadata: dict) -> float:
     """A reward that differs between responses (so advantages and gradients are non-zero),
     importable by a fresh process as `tests.training.helpers:checksum_reward`.
 
     `LONGSTRAW_TEST_REWARD_DELAY_S` makes each call slow without changing its value, so a crash
-    test can hold a step open after its prompt state is committed."""
+    test can hold a step open after its prompt state is committed;
+    `LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS` (default 0) leaves the process's first calls (the
+    steps before the one the test holds open) undelayed."""
     delay = float(os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_S", "0"))
-    if delay:
+    if delay and next(_REWARD_CALLS) >= int(
+        os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS", "0")
+    ):
         time.sleep(delay)
     return (sum(response.encode()) % 11) / 10.0

@@ -146,13 +146,14 @@ def _algorithm(m) -> dict:
 
 
 def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
-    tmp_path, checkpoint_dir, single_process
+    tmp_path, checkpoint_dir, single_process, fresh_prefect_home
 ):
     _, reference_checkpoint, reference_history = single_process
     root = tmp_path / "root"
     config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
     # The Prefect flow (embedded API) with its stages on two ranks.
+    fresh_prefect_home(tmp_path / "prefect")
     process = _train(path, tmp_path, _env(tmp_path))
     out, _ = process.communicate(timeout=900)
     assert process.returncode == 0, out.decode()[-4000:]
@@ -178,10 +179,14 @@ def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed
     config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
     run_dir = root / "runs" / "ranks"
-    # Slow rewards hold step 1 open after its prompt states are committed (same values).
-    process = _train(
-        path, tmp_path, _env(tmp_path, LONGSTRAW_TEST_REWARD_DELAY_S="1.0"), "--no-prefect"
+    # Slow rewards hold step 1 open after its prompt states are committed (same values); step
+    # 0's rewards (two groups of G = 3, scored on rank 0) are not delayed.
+    slow = _env(
+        tmp_path,
+        LONGSTRAW_TEST_REWARD_DELAY_S="1.0",
+        LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS=str(2 * 3),
     )
+    process = _train(path, tmp_path, slow, "--no-prefect")
     try:
         deadline = time.monotonic() + 600
         while len(list(run_dir.glob("policy-v1/prompts/*/COMMITTED.json"))) < 2:
