@@ -30,7 +30,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
-from longstraw.engine.state_tiers import tiered_for_group
+from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
@@ -464,4 +464,5 @@ def group_stats(
         state_bytes=state.state_bytes(),
         checkpoint_bytes=state.checkpoint_bytes(),
         cotangent_bytes=cotangent_bytes,
+        state_traffic=state_traffic(state),
     )

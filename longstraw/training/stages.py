@@ -29,6 +29,7 @@ from longstraw.distributed.stage_group import active_group, is_writer, on_all_ra
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
 from longstraw.engine.state import shard_bounds
+from longstraw.engine.state_tiers import state_traffic
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
@@ -60,6 +61,7 @@ from longstraw.training import held
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import write_step_metrics
+from longstraw.training.streamed_state import budgeted_state
 
 
 def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
@@ -194,21 +196,23 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     started = time.perf_counter()
     imported = getattr(ctx.source, "imported", None)
     weights = None
-    if imported is None:
-        generator = held.sampling_generator(config, policy.step, prompt.index)
-        responses = _sample(ctx, state, generator)
-    else:
-        responses = imported.group(example.prompt_id, policy.policy_version)
-        cfg = config.grpo
-        if cfg.vllm_importance_sampling_correction:
-            weights = imported_importance_weights(
-                ctx.model,
-                state,
-                responses,
-                temperature=cfg.temperature,
-                cap=cfg.vllm_importance_sampling_cap,
-                score=score_logprobs,
-            )
+    with budgeted_state(config.engine, ctx.model, state) as state:
+        if imported is None:
+            generator = held.sampling_generator(config, policy.step, prompt.index)
+            responses = _sample(ctx, state, generator)
+        else:
+            responses = imported.group(example.prompt_id, policy.policy_version)
+            cfg = config.grpo
+            if cfg.vllm_importance_sampling_correction:
+                weights = imported_importance_weights(
+                    ctx.model,
+                    state,
+                    responses,
+                    temperature=cfg.temperature,
+                    cap=cfg.vllm_importance_sampling_cap,
+                    score=score_logprobs,
+                )
+        traffic = state_traffic(state)
     rollout_seconds = time.perf_counter() - started
     started = time.perf_counter()
     register_haystack_rewards()  # the built-in names a config may list in data.rewards
@@ -249,6 +253,7 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
         step=policy.step,
         rewards=record.rewards,
         seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+        state_traffic=traffic,
     )
 
 
@@ -275,12 +280,20 @@ def score_group(
         model, state = ctx.reference_model, held.reference_state(ctx, example)
     else:
         model, state = ctx.model, held.prompt_state(ctx, example)
-    scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
+    with budgeted_state(config.engine, model, state) as state:
+        scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
+        traffic = state_traffic(state)
     path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
         f"scores-g{rollout.prompt.index}-{which}.json"
     )
     uri, digest = artifacts.write_json(path, [s.tolist() for s in scored], write=is_writer())
-    return ScoresRef(uri=uri, digest=digest, which=which, seconds=time.perf_counter() - started)
+    return ScoresRef(
+        uri=uri,
+        digest=digest,
+        which=which,
+        seconds=time.perf_counter() - started,
+        state_traffic=traffic,
+    )
 
 
 def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> AdvantagePlan:
