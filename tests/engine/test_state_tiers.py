@@ -244,3 +244,23 @@ def test_group_gradients_with_a_state_budget_match_the_resident_ones(
     assert runs[1][1] == runs[0][1]
     _assert_bitwise(runs[1][0], runs[0][0], "state_budget_bytes=0")
     assert not list(tmp_path.iterdir()), "scratch files left behind"
+
+
+def test_a_store_grid_other_than_the_kernels_gathers_reads_and_refuses_cotangent_slices(
+    tiny_model, small_chunks
+):
+    """Streamed in 5-row chunks while the kernels slice 12 rows: reads are gathered copies (same
+    numbers), but a cotangent slice across chunks cannot be added into in place."""
+    model = tiny_model("llama")
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    expected, expected_logps = _grads(model, state, "detached", responses, advantages)
+    with tier_state(model, state, budget_bytes=0, exact=False, chunk_tokens=5) as tiered:
+        actual, logps = _grads(model, tiered.state, "detached", responses, advantages)
+    assert logps == expected_logps
+    _assert_bitwise(actual, expected, "5-row store grid")
+    with (
+        tier_state(model, state, budget_bytes=0, chunk_tokens=5) as tiered,
+        pytest.raises(IndexError, match="a cotangent is added into one chunk"),
+    ):
+        _grads(model, tiered.state, "exact", responses, advantages)
