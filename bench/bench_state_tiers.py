@@ -1,7 +1,7 @@
 """Exact-mode group step with the prompt state resident vs under a budget, the rest on local disk.
 
     .venv/bin/python bench/bench_state_tiers.py [--length 8192] [--group 8] [--budget-mib 4]
-        [--repeats 1] [--timing-repeats 0] [--out bench/results/state_tiers.json]
+        [--repeats 1] [--timing-repeats 0] [--threads <cpus>] [--out bench/results/state_tiers.json]
 
 `small` Qwen3.5 hybrid, fp32, exact mode, 2048-token shards, G responses of 32 tokens. Each
 configuration runs in its own subprocess. The prefill runs first, resident in both; then the
@@ -37,7 +37,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch: str) -> dict:
+def worker(
+    checkpoint: str, length: int, group: int, budget: int | None, scratch: str, threads: int
+) -> dict:
     import torch
 
     from longstraw.engine.group import accumulate_group_gradients
@@ -46,7 +48,7 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     gen = torch.Generator().manual_seed(42)
     vocab = model.config.vocab_size
@@ -96,7 +98,7 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
 
 
 def timing_worker(
-    checkpoint: str, length: int, group: int, budget: int, scratch: str, repeats: int
+    checkpoint: str, length: int, group: int, budget: int, scratch: str, repeats: int, threads: int
 ) -> list[dict]:
     """Step times only, one process, one prefill: resident and tiered alternate `repeats` times
     (same model, same state, same load as far as the machine allows)."""
@@ -108,7 +110,7 @@ def timing_worker(
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     gen = torch.Generator().manual_seed(42)
     vocab = model.config.vocab_size
@@ -152,6 +154,7 @@ def run_config(args, budget: int | None) -> dict:
     command = [
         sys.executable, __file__, "--worker", "--checkpoint", args.checkpoint,
         "--length", str(args.length), "--group", str(args.group), "--scratch", args.scratch,
+        "--threads", str(args.threads),
     ]  # fmt: skip
     if budget is not None:
         command += ["--budget", str(budget)]
@@ -186,6 +189,7 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timing-repeats", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--worker-timing", action="store_true")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--scratch", default=None)
@@ -201,12 +205,22 @@ def main() -> None:
             args.budget,
             args.scratch,
             args.timing_repeats,
+            args.threads,
         )
         print(json.dumps(records))
         return
     if args.worker:
         print(
-            json.dumps(worker(args.checkpoint, args.length, args.group, args.budget, args.scratch))
+            json.dumps(
+                worker(
+                    args.checkpoint,
+                    args.length,
+                    args.group,
+                    args.budget,
+                    args.scratch,
+                    args.threads,
+                )
+            )
         )
         return
     if args.checkpoint is None:
@@ -229,6 +243,7 @@ def main() -> None:
             sys.executable, __file__, "--worker-timing", "--checkpoint", args.checkpoint,
             "--length", str(args.length), "--group", str(args.group), "--scratch", args.scratch,
             "--budget", str(budget), "--timing-repeats", str(args.timing_repeats),
+            "--threads", str(args.threads),
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -246,6 +261,7 @@ def main() -> None:
         "response_tokens": RESPONSE_TOKENS,
         "budget_bytes": budget,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "threads": args.threads,
         "repeats": args.repeats,
         "results": runs["resident"] + runs["tiered"],
         "ratios_tiered_over_resident": ratios,
