@@ -290,7 +290,7 @@ def accumulate_group_gradients(
     `share_prefixes`: responses that start with the same tokens run that shared part once (a
     prefix tree over the group, `longstraw.engine.branch_tree`); gradients are unchanged.
     `state_budget_bytes` (None: all resident) streams the state and its cotangent from
-    `state_tier` ("host" or "disk" in `state_dir`) layer by layer (`longstraw.engine.state_tiers`).
+    `state_tier` ("host" or "disk" in `state_dir`) chunk by chunk (`longstraw.engine.state_tiers`).
     """
     if branch_segment_tokens is not None and branch_segment_tokens < 1:
         raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
