@@ -1,13 +1,17 @@
 """Exact-mode group step with the prompt state resident vs under a budget, the rest on local disk.
 
     .venv/bin/python bench/bench_state_tiers.py [--length 8192] [--group 8] [--budget-mib 4]
-        [--out bench/results/state_tiers.json]
+        [--repeats 1] [--timing-repeats 0] [--threads <cpus>] [--out bench/results/state_tiers.json]
 
 `small` Qwen3.5 hybrid, fp32, exact mode, 2048-token shards, G responses of 32 tokens. Each
 configuration runs in its own subprocess. The prefill runs first, resident in both; then the
 peak RSS is reset (`/proc/self/clear_refs`), and the step (replay of every branch + the reverse
 sweep) is timed and its peak RSS above the floor (RSS at the reset, minus the state and its
-cotangent where those moved to disk) recorded. Ratios are tiered / resident, same run.
+cotangent where those moved to disk) recorded. With `--repeats N` the two configurations
+alternate N times (resident, tiered, resident, ...), so a change of machine load hits both;
+ratios are tiered / resident of the fastest run of each (`summary`). `--timing-repeats K` adds
+step times from one more subprocess that prefills once and alternates the two K times
+(`timing_worker`: no RSS figures, but the same process and state for both).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch: str) -> dict:
+def worker(
+    checkpoint: str, length: int, group: int, budget: int | None, scratch: str, threads: int
+) -> dict:
     import torch
 
     from longstraw.engine.group import accumulate_group_gradients
@@ -42,7 +48,7 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     gen = torch.Generator().manual_seed(42)
     vocab = model.config.vocab_size
@@ -66,6 +72,7 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
     peak_kib = _status_kib("VmHWM")
     record = {
         "budget_bytes": budget,
+        "load_avg_1m": os.getloadavg()[0],
         "step_s": seconds,
         "replay_s": stats.seconds.replay,
         "sweep_s": stats.seconds.sweep,
@@ -80,6 +87,9 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
         record.update(
             peak_resident_mib=store.peak_resident_bytes / 2**20,
             layer_mib=max(store.unit_bytes.values()) / 2**20,
+            chunk_tokens=store.chunk_tokens,
+            chunk_unit_mib=store.chunk_unit_bytes / 2**20,
+            permanent_layers=len(store.permanent),
             read_mib=store.bytes_read / 2**20,
             written_mib=store.bytes_written / 2**20,
         )
@@ -87,10 +97,64 @@ def worker(checkpoint: str, length: int, group: int, budget: int | None, scratch
     return record
 
 
+def timing_worker(
+    checkpoint: str, length: int, group: int, budget: int, scratch: str, repeats: int, threads: int
+) -> list[dict]:
+    """Step times only, one process, one prefill: resident and tiered alternate `repeats` times
+    (same model, same state, same load as far as the machine allows)."""
+    import torch
+
+    from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.state_tiers import tier_state
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    torch.set_num_threads(threads)
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(42)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (length,), generator=gen)
+    responses = [torch.randint(0, vocab, (RESPONSE_TOKENS,), generator=gen) for _ in range(group)]
+    advantages = torch.linspace(-1, 1, group)
+    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    records = []
+    for _ in range(repeats):
+        for label in ("resident", "tiered"):
+            tiered = None
+            if label == "tiered":
+                tiered = tier_state(
+                    model, state, budget_bytes=budget, lower="disk", directory=scratch
+                )
+            load = os.getloadavg()[0]
+            started = time.perf_counter()
+            stats = accumulate_group_gradients(
+                model,
+                state if tiered is None else tiered.state,
+                responses,
+                advantages,
+                GRPOConfig(),
+                shard_tokens=SHARD_TOKENS,
+            )
+            records.append(
+                {
+                    "config": label,
+                    "load_avg_1m": load,
+                    "step_s": time.perf_counter() - started,
+                    "replay_s": stats.seconds.replay,
+                    "sweep_s": stats.seconds.sweep,
+                }
+            )
+            if tiered is not None:
+                tiered.close()
+    return records
+
+
 def run_config(args, budget: int | None) -> dict:
     command = [
         sys.executable, __file__, "--worker", "--checkpoint", args.checkpoint,
         "--length", str(args.length), "--group", str(args.group), "--scratch", args.scratch,
+        "--threads", str(args.threads),
     ]  # fmt: skip
     if budget is not None:
         command += ["--budget", str(budget)]
@@ -100,20 +164,63 @@ def run_config(args, budget: int | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def summary(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Tiered / resident of the fastest run of each (the one least slowed by other load) and of
+    the smallest peak above the floor."""
+    best = {}
+    for label, records in runs.items():
+        done = [r for r in records if "step_s" in r]
+        if not done:
+            return {}
+        best[label] = (
+            min(r["step_s"] for r in done),
+            min(r["peak_above_floor_mib"] for r in done),
+        )
+    return {
+        "step_time": best["tiered"][0] / best["resident"][0],
+        "peak_above_floor": best["tiered"][1] / best["resident"][1],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--budget-mib", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--timing-repeats", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--worker-timing", action="store_true")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--out", default="bench/results/state_tiers.json")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--budget", type=int, default=None)
     args = parser.parse_args()
+    if args.worker_timing:
+        records = timing_worker(
+            args.checkpoint,
+            args.length,
+            args.group,
+            args.budget,
+            args.scratch,
+            args.timing_repeats,
+            args.threads,
+        )
+        print(json.dumps(records))
+        return
     if args.worker:
         print(
-            json.dumps(worker(args.checkpoint, args.length, args.group, args.budget, args.scratch))
+            json.dumps(
+                worker(
+                    args.checkpoint,
+                    args.length,
+                    args.group,
+                    args.budget,
+                    args.scratch,
+                    args.threads,
+                )
+            )
         )
         return
     if args.checkpoint is None:
@@ -123,16 +230,29 @@ def main() -> None:
     if args.scratch is None:
         args.scratch = tempfile.mkdtemp(prefix="longstraw-tiers-")
     budget = int(args.budget_mib * 2**20)
-    resident = run_config(args, None)
-    print(json.dumps(resident), flush=True)
-    tiered = run_config(args, budget)
-    print(json.dumps(tiered), flush=True)
-    ratios = {}
-    if "step_s" in resident and "step_s" in tiered:
-        ratios = {
-            "step_time": tiered["step_s"] / resident["step_s"],
-            "peak_above_floor": tiered["peak_above_floor_mib"] / resident["peak_above_floor_mib"],
-        }
+    runs = {"resident": [], "tiered": []}
+    for _ in range(args.repeats):
+        for label, value in (("resident", None), ("tiered", budget)):
+            runs[label].append(run_config(args, value))
+            print(json.dumps(runs[label][-1]), flush=True)
+
+    ratios = summary(runs)
+    timing = []
+    if args.timing_repeats:
+        command = [
+            sys.executable, __file__, "--worker-timing", "--checkpoint", args.checkpoint,
+            "--length", str(args.length), "--group", str(args.group), "--scratch", args.scratch,
+            "--budget", str(budget), "--timing-repeats", str(args.timing_repeats),
+            "--threads", str(args.threads),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            timing = [{"status": "error", "stderr": done.stderr[-2000:]}]
+        else:
+            timing = json.loads(done.stdout.strip().splitlines()[-1])
+            best = {c: min(r["step_s"] for r in timing if r["config"] == c) for c in runs}
+            ratios["step_time_one_process"] = best["tiered"] / best["resident"]
+        print(json.dumps(timing), flush=True)
     out = {
         "benchmark": "qwen3_5 small, exact mode: state resident vs budget + local-disk tier",
         "length": args.length,
@@ -141,8 +261,11 @@ def main() -> None:
         "response_tokens": RESPONSE_TOKENS,
         "budget_bytes": budget,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "results": [resident, tiered],
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "results": runs["resident"] + runs["tiered"],
         "ratios_tiered_over_resident": ratios,
+        "timing_one_process": timing,
     }
     print(json.dumps(out["ratios_tiered_over_resident"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,19 @@ from longstraw.ops.prefix_attention import prefix_cached_attention
 
 ATTENTION_NAME = "longstraw_prefix"
 CACHE_KWARG = "longstraw_cache"
-# Prefix keys per attention chunk: bounds the score block to [B, H, R, 1024] during replay.
+# Prefix keys per attention chunk: bounds the score block to [B, H, R, 1024] during replay; also
+# the grid a streamed prompt state is read on (`longstraw.engine.state_tiers`). Read at call time.
 PREFIX_CHUNK_TOKENS = 1024
+
+
+def prefix_chunk_tokens(model: PreTrainedModel) -> int:
+    """Prefix positions per chunk of `model`'s attention kernels (GLM's latent attention and
+    indexer have their own constant): the unit a streamed prompt state is read in."""
+    if is_glm(model):
+        from longstraw.models import glm
+
+        return glm.PREFIX_CHUNK_TOKENS
+    return PREFIX_CHUNK_TOKENS
 
 
 def longstraw_attention(
@@ -64,7 +75,13 @@ def longstraw_attention(
         )
     else:
         out_BHSD = decode_attention(
-            query_BHSD, key_BKSD, value_BKSD, layer.prefix_k_TKD, layer.prefix_v_TKD, scale=scale
+            query_BHSD,
+            key_BKSD,
+            value_BKSD,
+            layer.prefix_k_TKD,
+            layer.prefix_v_TKD,
+            scale=scale,
+            chunk_size=PREFIX_CHUNK_TOKENS,
         )
     return out_BHSD.transpose(1, 2).contiguous(), None
 

@@ -30,7 +30,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
-from longstraw.engine.state_tiers import tiered_for_group
+from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
@@ -290,7 +290,7 @@ def accumulate_group_gradients(
     `share_prefixes`: responses that start with the same tokens run that shared part once (a
     prefix tree over the group, `longstraw.engine.branch_tree`); gradients are unchanged.
     `state_budget_bytes` (None: all resident) streams the state and its cotangent from
-    `state_tier` ("host" or "disk" in `state_dir`) layer by layer (`longstraw.engine.state_tiers`).
+    `state_tier` ("host" or "disk" in `state_dir`) chunk by chunk (`longstraw.engine.state_tiers`).
     """
     if branch_segment_tokens is not None and branch_segment_tokens < 1:
         raise ValueError(f"branch_segment_tokens must be >= 1 or None, got {branch_segment_tokens}")
@@ -464,4 +464,5 @@ def group_stats(
         state_bytes=state.state_bytes(),
         checkpoint_bytes=state.checkpoint_bytes(),
         cotangent_bytes=cotangent_bytes,
+        state_traffic=state_traffic(state),
     )

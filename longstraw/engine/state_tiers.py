@@ -1,22 +1,26 @@
-"""Prompt state beyond the compute device: a resident budget, the rest streamed layer by layer.
+"""Prompt state beyond the compute device: a resident budget, the rest streamed chunk by chunk.
 
-Legend: L layers of one kind, T state tokens, X the trailing dims of one position (K×D, R, ...).
+Legend: L layers of one kind, T state tokens, X the trailing dims of one position (K×D, R, ...),
+C rows per chunk (the attention kernels' prefix chunk, `prefix_chunk_tokens`).
 
 A tiered state keeps every per-token array (full-attention K/V, MLA latents, rope and indexer
 keys) and, in exact mode, their fp32 cotangent dS in a lower tier — host memory (`HostTier`) or
-a local scratch file (`FileTier`) — and gives the cache layers *placeholders*: tensors of the
-right shape whose storage is empty until the model reaches their layer. A forward pre-hook on
-each decoder layer fills that layer's placeholders (and frees the previous streamed layer's); a
-hook on the layer's output fills them again just before the layer's backward, cotangents
-included, and a freed cotangent is written back to the lower tier (read-modify-write in fp32).
-The next streamed layer in the direction of travel is prefetched on a background thread while
-the current one computes.
+a local scratch file (`FileTier`) — and gives the cache layers `StreamedRows` in their place.
+The attention kernels already read the prefix C rows at a time on a fixed grid (the prefix
+partial: one flash call or one online-softmax step per chunk; the backward: one key chunk at a
+time; MLA and the DSA indexer likewise), so each slice they take is one chunk: read from the
+lower tier when asked for, freed when the kernel moves to another chunk of the same array, and
+for a cotangent read-modify-written in fp32 (written back when freed). The next chunk of the
+same rows is prefetched on a background thread while the current one computes; a forward
+pre-hook on each decoder layer (and a hook before its backward) frees the previous layer's
+chunks and starts reading the layer's first ones.
 
-Layers whose state fits are kept resident for good (lowest layer index first), leaving room in
-the budget for one streamed working layer; the prefetch buffer is the one allowance above it.
-Resident bytes are counted by the store itself (on CPU "device" and "host" are one memory), and
-peak resident ≤ max(budget, one layer) + one layer: the unit is a whole layer, never a chunk of
-one. Linear-attention checkpoints are constant-size host tensors and stay as they are.
+Whole layers whose state fits are kept resident for good (lowest layer index first), leaving
+room in the budget for one working chunk of every streamed array of a layer (`chunk_unit_bytes`);
+the prefetched chunks are the one allowance above it. Resident bytes are counted by the store
+itself (on CPU "device" and "host" are one memory): peak resident ≤ max(budget, one chunk unit)
++ one chunk unit, so a budget far below one layer's state holds. Linear-attention checkpoints
+are constant-size host tensors and stay as they are.
 
 The kernels read the same values in the same order as a fully resident state: log-probs,
 rollout tokens and gradients are bitwise equal (tests/engine/test_state_tiers.py).
@@ -36,8 +40,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.attention import prefix_chunk_tokens
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
+from longstraw.schemas.results import StateTraffic
 
 # PrefixState fields that grow with the prompt, and whether exact mode keeps a cotangent of them.
 STREAMED_FIELDS = {
@@ -122,31 +128,68 @@ def _lower_tier(kind: str, shape, dtype, directory):
     raise ValueError(f"state tier must be 'host' or 'disk', got {kind!r}")
 
 
-@dataclass(eq=False)
-class _Buffer:
-    """The device copy of one slot of one array: [T, *X], its storage empty when not resident.
+class StreamedRows:
+    """Rows [0, end) of one slot of a `TieredArray`, as the attention kernels read them.
 
-    Cache layers get views of it (`[:end]`): views stay valid while the storage is emptied and
-    refilled, so a graph built on them reads whatever is resident when its backward runs.
+    The kernels slice the prefix on a fixed grid (`rows[s : s + C]`, C the store's
+    `chunk_tokens`) and use each slice before asking for the next; every slice of one grid chunk
+    is a view of that chunk's device buffer, read from the lower tier when first asked for and
+    freed when the kernel moves on to another chunk of the same array. Cotangent rows are
+    read-modify-written the same way (`rows[s:e].add_(...)`, `rows[s:e] += ...`). A slice across
+    chunks is a copy, gathered chunk by chunk (read-only arrays only). Otherwise this answers
+    the few tensor attributes the kernels check (shape, dtype, device, requires_grad, ...).
     """
 
-    tensor: torch.Tensor
-    array: TieredArray
-    slot: int
-    resident: bool = False
-    dirty: bool = False
+    requires_grad = False
+    _version = 0
+    """Nothing writes into the stored state while a graph lives (checked by the kernels)."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def __init__(self, array: TieredArray, slot: int, end: int):
+        self.array, self.slot, self.end = array, slot, end
+        self.shape = torch.Size((end, *array.shape[2:]))
+        self.dtype, self.device = array.dtype, array.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        return self.end
+
+    def _bounds(self, key) -> tuple[int, int]:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise IndexError(f"{self.array.name}: streamed rows take [start:stop] slices only")
+        start, stop, _ = key.indices(self.end)
+        return start, max(start, stop)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        start, stop = self._bounds(key)
+        return self.array.store.rows(self.array, self.slot, start, stop, self.end)
+
+    def __setitem__(self, key, value: torch.Tensor) -> None:
+        target = self[key]
+        # `rows[s:e] += x` adds into the chunk view in place, then assigns that same view back.
+        if target.data_ptr() != value.data_ptr():
+            target.copy_(value)
 
 
 class TieredArray:
     """An [L, T, *X] array whose truth is in a lower tier; indexing hands out placeholders.
 
-    `array[slot]` and `array[slot, :end]` (what the cache layers take) return [end, *X] device
-    tensors that the store fills while their layer runs; `read(slot, start, end)` copies a slice
-    out of the lower tier (what the sweep checks and seeds with).
+    `array[slot]` and `array[slot, :end]` (what the cache layers take) return the rows of a
+    layer kept resident for good (a tensor), or `StreamedRows` for a streamed layer;
+    `read(slot, start, end)` copies a slice out (what the sweep checks and seeds with).
     """
 
     def __init__(self, store: TieredStore, name: str, tier, shape, dtype, writable: bool):
@@ -155,9 +198,7 @@ class TieredArray:
         self.dtype = dtype
         self.device = store.device
         self.writable = writable
-        self.row_numel = 1
-        for size in shape[2:]:
-            self.row_numel *= size
+        self.row_bytes = torch.Size(shape[2:]).numel() * dtype.itemsize
 
     def numel(self) -> int:
         return self.shape.numel()
@@ -165,173 +206,220 @@ class TieredArray:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
-    def __getitem__(self, key) -> torch.Tensor:
+    def __getitem__(self, key):
         slot, end = (key, self.shape[1]) if isinstance(key, int) else key
         if isinstance(end, slice):
             if end.start not in (None, 0) or end.step not in (None, 1):
                 raise IndexError(f"{self.name}: placeholders cover [:end]; use read() for slices")
             end = self.shape[1] if end.stop is None else min(end.stop, self.shape[1])
-        return self.store.placeholder(self, int(slot), int(end))
+        slot, end = int(slot), int(end)
+        if self.store.layer_of[(self.name, slot)] in self.store.permanent:
+            return self.store.whole(self, slot)[:end]
+        return StreamedRows(self, slot, end)
 
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """[end - start, *X] copy of the slice from the lower tier (pending writes flushed)."""
+        """[end - start, *X] copy of the slice (pending writes flushed first)."""
+        if self.store.layer_of[(self.name, slot)] in self.store.permanent:
+            return self.store.whole(self, slot)[start:end].clone()
         self.store.flush_slot(self, slot)
         out = torch.empty((end - start, *self.shape[2:]), dtype=self.dtype, device=self.device)
         self.tier.read_into(slot, start, out)
         return out
 
 
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A second tensor over the same storage with its own version counter: filling through it
-    leaves the placeholder's `_version` alone (the prefix attention checks that nobody wrote
-    into the prompt state between its forward and backward; a refill is no such write)."""
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        tensor.untyped_storage(), 0, tensor.shape, tensor.stride()
-    )
+@dataclass(eq=False)
+class _Chunk:
+    """The device copy of rows [start, start + len) of one slot of one array."""
+
+    tensor: torch.Tensor
+    dirty: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclass
 class TieredStore:
-    """The placeholders of one tiered state, the budget, and the hooks that stream them."""
+    """The resident layers and streamed chunks of one tiered state, and the hooks that stream."""
 
     budget_bytes: int
     device: torch.device
+    chunk_tokens: int
+    """Rows per streamed chunk: the attention kernels' prefix chunk (`prefix_chunk_tokens`)."""
     unit_bytes: dict[int, int] = field(default_factory=dict)
     """Bytes per model layer: its state, plus its cotangent in exact mode."""
+    chunk_unit_bytes: int = 0
+    """One chunk of every streamed array of a layer (the largest such set): the working unit."""
     permanent: frozenset[int] = frozenset()
     """Model layers kept resident for good."""
     arrays: dict[str, TieredArray] = field(default_factory=dict)
+    layer_of: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(array name, slot) -> model layer."""
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     bytes_read: int = 0
+    """Read from the lower tier into device buffers."""
     bytes_written: int = 0
+    """Written back to the lower tier (cotangents)."""
     prefetches: int = 0
-    """Layers read on the background thread ahead of their use."""
+    """Chunks read on the background thread ahead of their use."""
 
     def __post_init__(self):
-        self._buffers: dict[tuple[str, int], _Buffer] = {}
-        self._by_layer: dict[int, list[_Buffer]] = {}
-        self._layer_of: dict[tuple[str, int], int] = {}
+        self._whole: dict[tuple[str, int], torch.Tensor] = {}
+        self._chunks: dict[tuple[str, int, int], _Chunk] = {}
+        self._pending: dict[tuple[str, int, int], Future] = {}
         self._lock = threading.Lock()
-        self._working: int | None = None
-        self._pending: tuple[int, Future] | None = None
-        self._prefetched: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-prefetch")
         self._handles: list = []
-        self._order: list[int] = []
 
-    # -- placeholders -------------------------------------------------------------------------
+    def _count(self, nbytes: int, *, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.resident_bytes += nbytes
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            self.bytes_read += read
+            self.bytes_written += written
 
-    def placeholder(self, array: TieredArray, slot: int, end: int) -> torch.Tensor:
-        """[end, *X] view of the device buffer of `array[slot]`, filled while its layer runs."""
-        # A prefetch in flight may be filling this very buffer: let it finish first.
-        self._settle()
-        layer = self._layer_of[(array.name, slot)]
+    # -- layers kept for good -----------------------------------------------------------------
+
+    def whole(self, array: TieredArray, slot: int) -> torch.Tensor:
+        """[T, *X] of a permanent layer's slot, read once; a cotangent stays resident (its
+        lower tier is not read again: `read` and the sweep use this buffer)."""
         key = (array.name, slot)
-        buffer = self._buffers.get(key)
-        if buffer is None:
+        tensor = self._whole.get(key)
+        if tensor is None:
             tensor = torch.empty(array.shape[1:], dtype=array.dtype, device=self.device)
-            tensor.untyped_storage().resize_(0)
-            buffer = self._buffers[key] = _Buffer(tensor, array, slot)
-            self._by_layer.setdefault(layer, []).append(buffer)
-        storage = buffer.tensor.untyped_storage()
-        if buffer.resident:
-            return buffer.tensor[:end]
-        # A view cannot be cut from an empty storage: size it for the cut (allocated, never
-        # touched or counted), then empty it again.
-        storage.resize_(buffer.nbytes)
-        view = buffer.tensor[:end]
-        storage.resize_(0)
-        if layer in self.permanent or layer in (self._working, self._prefetched):
-            self._fill(buffer, backward=False)
-        return view
+            array.tier.read_into(slot, 0, tensor)
+            self._whole[key] = tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            self._count(nbytes, read=nbytes)
+        return tensor
 
-    def _entries(self, layer: int) -> list[_Buffer]:
-        return list(self._by_layer.get(layer, []))
+    # -- streamed chunks ----------------------------------------------------------------------
 
-    def _fill(self, buffer: _Buffer, *, backward: bool) -> None:
-        if buffer.array.writable and not backward and not buffer.resident:
-            return  # a cotangent is only read and written by the backward
-        if not buffer.resident:
-            buffer.tensor.untyped_storage().resize_(buffer.nbytes)
-            buffer.array.tier.read_into(buffer.slot, 0, _alias(buffer.tensor))
-            with self._lock:
-                buffer.resident = True
-                self.resident_bytes += buffer.nbytes
-                self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-                self.bytes_read += buffer.nbytes
-        if backward and buffer.array.writable:
-            buffer.dirty = True
+    def _chunk_rows(self, array: TieredArray, index: int) -> tuple[int, int]:
+        start = index * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, array.shape[1])
 
-    def _write_back(self, buffer: _Buffer) -> None:
-        if buffer.dirty:
-            buffer.array.tier.write_from(buffer.slot, 0, buffer.tensor)
-            buffer.dirty = False
-            with self._lock:
-                self.bytes_written += buffer.nbytes
+    def _load(self, array: TieredArray, slot: int, index: int) -> None:
+        """Read chunk `index` of `array[slot]` into a new device buffer (either thread)."""
+        start, end = self._chunk_rows(array, index)
+        tensor = torch.empty((end - start, *array.shape[2:]), dtype=array.dtype, device=self.device)
+        array.tier.read_into(slot, start, tensor)
+        chunk = _Chunk(tensor)
+        with self._lock:
+            self._chunks[(array.name, slot, index)] = chunk
+        self._count(chunk.nbytes, read=chunk.nbytes)
 
-    def _release(self, layer: int) -> None:
-        for buffer in self._entries(layer):
-            if not buffer.resident:
-                continue
-            self._write_back(buffer)
-            buffer.tensor.untyped_storage().resize_(0)
-            with self._lock:
-                buffer.resident = False
-                self.resident_bytes -= buffer.nbytes
+    def _keys(self) -> list[tuple[str, int, int]]:
+        """Every chunk resident or being read (a snapshot: the prefetch thread adds to it)."""
+        with self._lock:
+            return list(dict.fromkeys([*self._chunks, *self._pending]))
+
+    def _wait(self, key: tuple[str, int, int]) -> None:
+        future = self._pending.pop(key, None)
+        if future is not None:
+            future.result()
+
+    def _evict(self, key: tuple[str, int, int], *, write_back: bool = True) -> None:
+        self._wait(key)
+        with self._lock:
+            chunk = self._chunks.pop(key, None)
+        if chunk is None:
+            return
+        written = 0
+        if chunk.dirty and write_back:
+            name, slot, index = key
+            array = self.arrays[name]
+            array.tier.write_from(slot, self._chunk_rows(array, index)[0], chunk.tensor)
+            written = chunk.nbytes
+        nbytes = chunk.nbytes
+        # Free the storage now, whatever still refers to it: a stale view then fails loudly.
+        chunk.tensor.untyped_storage().resize_(0)
+        self._count(-nbytes, written=written)
+
+    def _prefetch(self, array: TieredArray, slot: int, index: int) -> None:
+        key = (array.name, slot, index)
+        if index * self.chunk_tokens >= array.shape[1] or key in self._pending:
+            return
+        with self._lock:
+            if key in self._chunks:
+                return
+        self.prefetches += 1
+        self._pending[key] = self._pool.submit(self._load, array, slot, index)
+
+    def chunk(self, array: TieredArray, slot: int, index: int) -> torch.Tensor:
+        """Chunk `index` of `array[slot]`, resident; every other chunk of `array` is freed
+        (written back if the backward added into it)."""
+        key = (array.name, slot, index)
+        self._wait(key)
+        for other in [k for k in self._keys() if k[0] == array.name]:
+            if other != key:
+                self._evict(other)
+        if key not in self._chunks:
+            self._load(array, slot, index)
+        chunk = self._chunks[key]
+        if array.writable:
+            chunk.dirty = True
+        return chunk.tensor
+
+    def rows(self, array: TieredArray, slot: int, start: int, stop: int, end: int) -> torch.Tensor:
+        """Rows [start, stop) of `array[slot]` (a view of one chunk when inside one), and the
+        next chunk of the same rows [0, end) prefetched."""
+        size = self.chunk_tokens
+        if stop <= start:
+            return torch.empty((0, *array.shape[2:]), dtype=array.dtype, device=self.device)
+        index = start // size
+        if (stop - 1) // size != index:
+            if array.writable:
+                raise IndexError(
+                    f"{array.name}: a cotangent is added into one chunk of {size} rows at a "
+                    f"time; got rows [{start}, {stop})"
+                )
+            return self._gathered(array, slot, start, stop, end)
+        tensor = self.chunk(array, slot, index)
+        if (index + 1) * size < end:
+            self._prefetch(array, slot, index + 1)
+        return tensor[start - index * size : stop - index * size]
+
+    def _gathered(self, array, slot, start, stop, end) -> torch.Tensor:
+        """A copy of rows [start, stop) that span chunks (a kernel on another grid)."""
+        out = torch.empty((stop - start, *array.shape[2:]), dtype=array.dtype, device=self.device)
+        size, lo = self.chunk_tokens, start
+        while lo < stop:
+            hi = min(stop, (lo // size + 1) * size)
+            out[lo - start : hi - start].copy_(self.rows(array, slot, lo, hi, end))
+            lo = hi
+        return out
 
     def flush_slot(self, array: TieredArray, slot: int) -> None:
         """Write back what the backward added into `array[slot]` and is still on the device."""
-        self._settle()
-        buffer = self._buffers.get((array.name, slot))
-        if buffer is not None and buffer.resident:
-            self._write_back(buffer)
+        for key in [k for k in self._keys() if k[:2] == (array.name, slot)]:
+            self._evict(key)
 
-    # -- streaming ----------------------------------------------------------------------------
-
-    def _settle(self) -> None:
-        """Wait for the prefetch in flight; its layer stays resident as `_prefetched`."""
-        if self._pending is not None:
-            self._prefetched, future = self._pending
-            self._pending = None
-            future.result()
+    # -- layers -------------------------------------------------------------------------------
 
     def acquire(self, layer: int, *, backward: bool) -> None:
-        """Make `layer`'s placeholders resident (cotangents too when `backward`), free the
-        previous streamed layer, and start prefetching the next one in this direction."""
-        if layer not in self.unit_bytes:
+        """Entering `layer` (its forward, or its backward): free every chunk but this layer's
+        first ones and start reading those (cotangents too when `backward`)."""
+        if layer not in self.unit_bytes or layer in self.permanent:
             return
-        self._settle()
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched != layer and prefetched not in self.permanent:
-            self._release(prefetched)
-        if self._working is not None and self._working != layer:
-            self._release(self._working)
-        self._working = None if layer in self.permanent else layer
-        for entry in self._entries(layer):
-            self._fill(entry, backward=backward)
-        position = self._order.index(layer)
-        ahead = self._order[:position][::-1] if backward else self._order[position + 1 :]
-        following = [candidate for candidate in ahead if candidate not in self.permanent]
-        if following:
-            nxt = following[0]
-            entries = self._entries(nxt)
-            self.prefetches += 1
-            self._pending = (
-                nxt,
-                self._pool.submit(lambda: [self._fill(e, backward=backward) for e in entries]),
-            )
+        for key in self._keys():
+            if key[2] != 0 or self.layer_of[key[:2]] != layer:
+                self._evict(key)
+        for (name, slot), owner in self.layer_of.items():
+            array = self.arrays[name]
+            if owner == layer and (backward or not array.writable):
+                self._prefetch(array, slot, 0)
 
-    def release_all(self) -> None:
-        """Write back and free every streamed layer (the permanent ones are kept)."""
-        self._settle()
-        for layer in {self._prefetched, self._working} - {None}:
-            if layer not in self.permanent:
-                self._release(layer)
-        self._working = self._prefetched = None
+    def release_all(self, *, write_back: bool = True) -> None:
+        """Free every streamed chunk, written back unless `write_back` is False (the permanent
+        layers are kept)."""
+        for key in self._keys():
+            self._evict(key, write_back=write_back)
 
     def attach(self, model: PreTrainedModel) -> None:
-        """Hook every decoder layer of `model`: fill before its forward and before its backward."""
+        """Hook every decoder layer of `model`: enter it before its forward and its backward."""
 
         def before_forward(module, args, layer):
             self.acquire(layer, backward=False)
@@ -359,14 +447,29 @@ class TieredStore:
             )
 
     def close(self) -> None:
-        """Remove the hooks, stop the prefetcher and delete the lower tier's scratch files."""
-        self.release_all()
+        """Remove the hooks, stop the prefetcher and delete the lower tier's scratch files (what
+        is still on the device is dropped: nothing reads this state again)."""
+        self.release_all(write_back=False)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._pool.shutdown(wait=True)
+        self._whole.clear()
         for array in self.arrays.values():
             array.tier.close()
+
+
+def state_traffic(state) -> StateTraffic | None:
+    """The tiered store's peak resident bytes and bytes moved so far (None: `state` resident)."""
+    tiers = getattr(state, "tiers", None)
+    if tiers is None:
+        return None
+    store = tiers.store
+    return StateTraffic(
+        peak_resident_bytes=store.peak_resident_bytes,
+        bytes_read=store.bytes_read,
+        bytes_written=store.bytes_written,
+    )
 
 
 def _layer_indices(state: PrefixState, name: str) -> tuple[int, ...]:
@@ -415,12 +518,13 @@ def tier_state(
     lower: str = "host",
     directory: str | None = None,
     exact: bool = True,
+    chunk_tokens: int | None = None,
 ) -> TieredState:
     """Move `state`'s per-token arrays into the `lower` tier ("host" or "disk": a scratch file in
     `directory`) and stream them through `model` under `budget_bytes` of device memory.
 
     `exact` keeps each layer's fp32 cotangent in the same lower tier and counts it in the
-    budget. The returned `TieredState.state` replaces `state` everywhere (replay, rollout, the
+    budget; `chunk_tokens` as in `tiered_from_sources`. The returned `TieredState.state` replaces `state` everywhere (replay, rollout, the
     sweep); close it (or use it as a context manager) to remove the hooks and scratch files.
     """
     if state.tiers is not None:
@@ -442,6 +546,7 @@ def tier_state(
         lower=lower,
         directory=directory,
         exact=exact,
+        chunk_tokens=chunk_tokens,
     )
 
 
@@ -454,40 +559,45 @@ def tiered_from_sources(
     lower: str = "host",
     directory: str | None = None,
     exact: bool = True,
+    chunk_tokens: int | None = None,
 ) -> TieredState:
     """A tiered state over prepared lower tiers: `sources` maps PrefixState field names
-    (`STREAMED_FIELDS`) to (tier, [L, T, *X] shape, dtype); cotangents get new `lower` tiers."""
+    (`STREAMED_FIELDS`) to (tier, [L, T, *X] shape, dtype); cotangents get new `lower` tiers.
+    `chunk_tokens` (default: the model's kernel chunk, `prefix_chunk_tokens`) is the streamed
+    unit; another grid than the kernels' still gives the same numbers, but a kernel slice across
+    chunks is then gathered into a copy (and refused for a cotangent)."""
     if budget_bytes < 0:
         raise ValueError(
             f"state_budget_bytes must be >= 0 (or None: everything resident), got {budget_bytes}"
         )
+    if chunk_tokens is None:
+        chunk_tokens = prefix_chunk_tokens(model)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     device = next(iter(model.parameters())).device
-    store = TieredStore(budget_bytes, device)
+    store = TieredStore(budget_bytes, device, chunk_tokens)
     fields = {}
+
+    def add(name, tier, shape, dtype, writable, indices):
+        store.arrays[name] = TieredArray(store, name, tier, shape, dtype, writable)
+        row_bytes = store.arrays[name].row_bytes
+        for slot, layer in enumerate(indices):
+            store.layer_of[(name, slot)] = layer
+            store.unit_bytes[layer] = store.unit_bytes.get(layer, 0) + shape[1] * row_bytes
+        store.chunk_unit_bytes += min(chunk_tokens, shape[1]) * row_bytes
+        return store.arrays[name]
+
     for name, (tier, shape, dtype) in sources.items():
         indices = _layer_indices(base, name)
-        fields[name] = TieredArray(store, name, tier, shape, dtype, writable=False)
-        store.arrays[name] = fields[name]
-        slot_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
-        for slot, layer in enumerate(indices):
-            store._layer_of[(name, slot)] = layer
-            store.unit_bytes[layer] = store.unit_bytes.get(layer, 0) + slot_bytes
+        fields[name] = add(name, tier, shape, dtype, False, indices)
         if exact and STREAMED_FIELDS[name]:
-            dname = f"d{name}"
             dtier = _lower_tier(lower, shape, torch.float32, directory)
-            store.arrays[dname] = TieredArray(
-                store, dname, dtier, shape, torch.float32, writable=True
-            )
-            for slot, layer in enumerate(indices):
-                store._layer_of[(dname, slot)] = layer
-                store.unit_bytes[layer] += torch.Size(shape[1:]).numel() * 4
-    store._order = sorted(store.unit_bytes)
-    # Permanent residents, lowest layer first, leaving room for one streamed working layer.
-    reserve = max(store.unit_bytes.values(), default=0)
+            add(f"d{name}", dtier, shape, torch.float32, True, indices)
+    # Whole layers kept for good, lowest first, leaving room for one streamed working chunk unit.
+    order = sorted(store.unit_bytes)
     kept, used = [], 0
-    for layer in store._order:
-        remaining = len(store._order) - len(kept) - 1
-        room = budget_bytes - (reserve if remaining > 0 else 0)
+    for position, layer in enumerate(order):
+        room = budget_bytes - (store.chunk_unit_bytes if position < len(order) - 1 else 0)
         if used + store.unit_bytes[layer] > room:
             break
         kept.append(layer)

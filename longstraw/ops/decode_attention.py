@@ -10,8 +10,9 @@ this path only generates.
 
 The prefix has no batch dimension, so every row's queries of kv head k read the same keys: all
 M = B * G * Q of them are folded into ONE query block [K, M, D] and the prefix is read once per
-layer per step, by one call of PyTorch's fused CPU flash kernel (which returns the log-sum-exp),
-over a [1, K, T, D] view of the [T, K, D] state (no copy). The rows' own keys (a view of the
+layer per step, a fixed chunk of keys at a time: one call of PyTorch's fused CPU flash kernel
+(which returns the log-sum-exp) per chunk, over a [1, K, C, D] view of the [C, K, D] rows of the
+state (no copy), the chunks merged by log-sum-exp in order. The rows' own keys (a view of the
 layer's preallocated branch buffer) are a second, branch-sized partial; the two merge by
 log-sum-exp. Where the fused kernel does not apply (other devices or dtypes, V != D) the prefix
 partial is the same folded block against prefix chunks, one bmm per chunk.
@@ -22,9 +23,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longstraw.ops.prefix_attention import _prefix_partial, merge_partial_attention
+from longstraw.ops.prefix_attention import (
+    _prefix_partial,
+    flash_prefix_partial,
+    merge_partial_attention,
+)
 
-# Prefix keys per chunk of the fallback path: [K, M, 4096] fp32 scores at most.
+# Prefix keys per chunk (default): [K, M, 4096] fp32 scores at most on the fallback path.
 _PREFIX_CHUNK = 4096
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -40,18 +45,17 @@ def _flash_applies(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> boo
 
 
 def _prefix_partial_folded(
-    q_KMD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor, scale: float
+    q_KMD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor, scale: float, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
-    """(out [K, M, V] fp32, lse [K, M] fp32) of M query rows per kv head over all T > 0 keys."""
+    """(out [K, M, V] fp32, lse [K, M] fp32) of M query rows per kv head over all T > 0 keys,
+    `chunk_size` prefix keys at a time (one fused call per chunk, LSE-merged in order)."""
     if _flash_applies(q_KMD, k_prefix_TKD, v_prefix_TKV):
-        k_1KTD = k_prefix_TKD.permute(1, 0, 2).unsqueeze(0)
-        v_1KTV = v_prefix_TKV.permute(1, 0, 2).unsqueeze(0)
-        out, lse = _CPU_FLASH(
-            q_KMD.unsqueeze(0), k_1KTD, v_1KTV, 0.0, False, attn_mask=None, scale=scale
-        )[:2]
-        return out[0].float(), lse[0].float()
+        out, lse = flash_prefix_partial(
+            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size
+        )
+        return out[0], lse[0]
     dtype = torch.promote_types(q_KMD.dtype, torch.float32)
-    return _prefix_partial(q_KMD.to(dtype) * scale, k_prefix_TKD, v_prefix_TKV, _PREFIX_CHUNK)
+    return _prefix_partial(q_KMD.to(dtype) * scale, k_prefix_TKD, v_prefix_TKV, chunk_size)
 
 
 def _branch_partial(q_BKXD: Tensor, k_BKND: Tensor, v_BKNV: Tensor, q_len: int, scale: float):
@@ -80,11 +84,13 @@ def decode_attention(
     v_prefix_TKV: Tensor,
     *,
     scale: float,
+    chunk_size: int = _PREFIX_CHUNK,
 ) -> Tensor:
     """out_BHQV of the Q newest branch queries over [prefix ; branch[: own position + 1]].
 
     The branch K/V may be strided views (the layer's preallocated buffer); the prefix is read
-    in place, once, whatever B.
+    in place, once, whatever B, `chunk_size` keys at a time (the same grid the replay's prefix
+    attention uses, so a streamed state can hand it one chunk at a time).
     """
     b, h, q_len, d = q_BHQD.shape
     k_heads, n = k_branch_BKND.shape[1], k_branch_BKND.shape[2]
@@ -97,7 +103,9 @@ def decode_attention(
     if k_prefix_TKD.shape[0] > 0:
         # Rows in (B, G, Q) order per kv head: one query block that reads the prefix once.
         q_KMD = q_BKXD.transpose(0, 1).reshape(k_heads, b * groups * q_len, d)
-        out_KMV, lse_KM = _prefix_partial_folded(q_KMD, k_prefix_TKD, v_prefix_TKV, scale)
+        out_KMV, lse_KM = _prefix_partial_folded(
+            q_KMD, k_prefix_TKD, v_prefix_TKV, scale, chunk_size
+        )
         out_BKXV, lse_BKX = merge_partial_attention(
             out_KMV.view(k_heads, b, -1, value_dim).transpose(0, 1),
             lse_KM.view(k_heads, b, -1).transpose(0, 1),

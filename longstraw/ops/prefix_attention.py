@@ -181,14 +181,17 @@ def _flash_forward(
     v_branch_BKRD: Tensor,
     prefixes: list[tuple[Tensor, Tensor]],
     scale: float,
+    chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
     """(out_BHRV in fp32, lse_BHR fp32) from the CPU flash kernel's partials, LSE-merged.
 
-    Each prefix is passed as an expanded [B, K, T, D] view of its [T, K, D] state (no copy by
-    us); GQA is resolved inside the kernel (query head h reads kv head h // (H // K)). Prefixes
-    merge last to first into the branch partial (one prefix: merge(prefix, branch)).
+    Each prefix chunk of `chunk_size` keys is passed as an expanded [B, K, C, D] view of its
+    [C, K, D] rows of the state (no copy by us); GQA is resolved inside the kernel (query head h
+    reads kv head h // (H // K)). A prefix's chunks merge first to last, then prefixes merge last
+    to first into the branch partial (one prefix of one chunk: merge(prefix, branch)). The fixed
+    chunk grid is what lets a streamed state (`longstraw.engine.state_tiers`) hand the kernel
+    one chunk at a time and still get the resident result bitwise.
     """
-    batch = q_BHRD.shape[0]
     out_b, lse_b = _CPU_FLASH(
         q_BHRD, k_branch_BKRD, v_branch_BKRD, 0.0, True, attn_mask=None, scale=scale
     )[:2]
@@ -196,10 +199,29 @@ def _flash_forward(
     for k_prefix_TKD, v_prefix_TKD in reversed(prefixes):
         if k_prefix_TKD.shape[0] == 0:
             continue
-        k_p = k_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
-        v_p = v_prefix_TKD.permute(1, 0, 2).unsqueeze(0).expand(batch, -1, -1, -1)
-        out_p, lse_p = _CPU_FLASH(q_BHRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
-        out, lse = merge_partial_attention(out_p.float(), lse_p.float(), out, lse)
+        out_p, lse_p = flash_prefix_partial(q_BHRD, k_prefix_TKD, v_prefix_TKD, scale, chunk_size)
+        out, lse = merge_partial_attention(out_p, lse_p, out, lse)
+    return out, lse
+
+
+def flash_prefix_partial(
+    q_BXRD: Tensor, k_prefix_TKD, v_prefix_TKD, scale: float, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """(out [B, X, R, V] fp32, lse [B, X, R] fp32) of queries over all T > 0 prefix keys: one
+    CPU flash call per `chunk_size` keys, merged first to last. The prefix is anything that
+    slices into [C, K, D] tensors (a tensor, or a streamed state's rows)."""
+    batch = q_BXRD.shape[0]
+    out = lse = None
+    for start in range(0, k_prefix_TKD.shape[0], chunk_size):
+        k_p = k_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
+        v_p = v_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
+        k_p, v_p = k_p.expand(batch, -1, -1, -1), v_p.expand(batch, -1, -1, -1)
+        out_c, lse_c = _CPU_FLASH(q_BXRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
+        out_c, lse_c = out_c.float(), lse_c.float()
+        if out is None:
+            out, lse = out_c, lse_c
+        else:
+            out, lse = merge_partial_attention(out, lse, out_c, lse_c)
     return out, lse
 
 
@@ -239,7 +261,7 @@ class _PrefixCachedAttention(torch.autograd.Function):
         use_flash = _flash_applicable(q_BHRD, v_branch_BKRD)
         if use_flash:
             out_BHRV32, lse_BHR = _flash_forward(
-                q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale
+                q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale, chunk_size
             )
             out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
             lse_BKGR = lse_BHR.view(lse_BKGR.shape)

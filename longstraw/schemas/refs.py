@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from longstraw.schemas.results import GroupStats
+from longstraw.schemas.results import GroupStats, StateTraffic
 from longstraw.schemas.storage import PrefixStateRef
 
 
@@ -119,6 +119,8 @@ class RolloutRef(_Ref):
     """[G] (also in the record; here so that advantages need no read)."""
     seconds: dict[str, float] = Field(default_factory=dict)
     """Seconds spent producing it, by stage (rollout, reward)."""
+    state_traffic: StateTraffic | None = None
+    """The sampling's tiered-state peak and bytes read (None: the state resident)."""
 
 
 class RolloutRecord(_Ref):
@@ -151,6 +153,8 @@ class ScoresRef(_Ref):
     which: str
     """"reference" (KL term) or "old" (the rollout policy, num_iterations > 1)."""
     seconds: float = 0.0
+    state_traffic: StateTraffic | None = None
+    """The scoring's tiered-state peak and bytes read (None: the state resident)."""
 
 
 class BackwardResult(_Ref):

@@ -18,6 +18,20 @@ class StageSeconds(BaseModel):
     """Exact mode's reverse sweep over the prefill shards."""
 
 
+class StateTraffic(BaseModel):
+    """What a tiered prompt state (`engine.state_budget_bytes`) held and moved during one stage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    peak_resident_bytes: int = Field(ge=0)
+    """Peak bytes of state (and, in exact mode, its fp32 cotangent) on the compute device, as
+    counted by the store: layers kept for good plus the streamed chunks."""
+    bytes_read: int = Field(ge=0)
+    """Read from the lower tier (host memory, scratch file or committed Zarr state)."""
+    bytes_written: int = Field(ge=0)
+    """Written back to the lower tier (the cotangent's read-modify-write; 0 without one)."""
+
+
 class GroupStats(BaseModel):
     """Result of `accumulate_group_gradients` for one GRPO group."""
 
@@ -51,6 +65,9 @@ class GroupStats(BaseModel):
     """Per-shard linear-attention checkpoints (host memory)."""
     cotangent_bytes: int = 0
     """fp32 prompt-state cotangent dS (exact mode; 0 in detached mode)."""
+    state_traffic: StateTraffic | None = None
+    """The tiered state's peak and bytes moved over replay and sweep (None: no budget, the
+    state resident)."""
 
 
 class StepMetrics(BaseModel):
@@ -92,6 +109,13 @@ class StepMetrics(BaseModel):
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""
     shards_reused: int = 0
+    state_peak_resident_bytes: int | None = None
+    """Under `engine.state_budget_bytes`: the largest peak of device-resident prompt state over
+    the step's rollout, scoring and backward stages (None: no budget)."""
+    state_bytes_read: int = 0
+    """Prompt-state bytes read from the lower tier over those stages (all groups)."""
+    state_bytes_written: int = 0
+    """Cotangent bytes written back to the lower tier (all groups)."""
 
 
 class AdvantagePlan(BaseModel):

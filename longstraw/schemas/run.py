@@ -66,11 +66,13 @@ class EngineConfig(_Section):
     Single-process runs only."""
     state_budget_bytes: int | None = Field(default=None, ge=0)
     """Bytes of prompt state (K/V or latents, and in exact mode their fp32 cotangent) kept on the
-    compute device; the rest waits in `state_tier` and is streamed in layer by layer, the next
-    layer prefetched while one computes. None keeps everything resident. Numbers are bitwise
-    those of the resident run; peak is at most max(budget, one layer) + one prefetched layer.
-    In `longstraw train` it applies to the backward stage (replay and reverse sweep); single
-    process only (parallel.world_size = 1)."""
+    compute device; whole layers are kept while they fit, the rest waits in `state_tier` and is
+    streamed in chunks of the attention kernels' prefix grid (1024 positions), the next chunk
+    prefetched while one computes. None keeps everything resident. Numbers are bitwise those of
+    the resident run; peak is at most max(budget, one chunk unit) + one prefetched chunk unit,
+    a chunk unit being 1024 positions of every streamed array of one layer (so 0 works). In
+    `longstraw train` it applies to rollout, scoring and the backward stage; the step metrics
+    report the peak and the bytes moved. Single process only (parallel.world_size = 1)."""
     state_tier: Literal["host", "disk"] = "host"
     """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
     state_dir: str | None = None

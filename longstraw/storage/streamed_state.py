@@ -2,7 +2,7 @@
 
 `open_streamed_state` checks the manifest (weights, policy version) like `open_committed_state`
 but reads only the small linear-attention checkpoints whole; each per-token array becomes a
-`ZarrTier` that reads, when a layer is streamed in, just the chunks holding that layer's
+`ZarrTier` that reads, when rows of a layer are streamed in, just the Zarr chunks holding those
 positions, verifying each chunk's sha256 against the manifest as it is read.
 """
 

@@ -29,6 +29,7 @@ from longstraw.distributed.stage_group import active_group, is_writer, on_all_ra
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
 from longstraw.engine.state import shard_bounds
+from longstraw.engine.state_tiers import state_traffic
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
@@ -61,6 +62,7 @@ from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import write_step_metrics
+from longstraw.training.streamed_state import budgeted_state
 
 
 def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
@@ -195,24 +197,29 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     started = time.perf_counter()
     imported = getattr(ctx.source, "imported", None)
     weights = None
-    if config.agent is not None:
-        generator = held.sampling_generator(config, policy.step, prompt.index)
-        return _agent_rollout(ctx, policy, prompt, example, state, generator, started)
-    if imported is None:
-        generator = held.sampling_generator(config, policy.step, prompt.index)
-        responses = _sample(ctx, state, generator)
-    else:
-        responses = imported.group(example.prompt_id, policy.policy_version)
-        cfg = config.grpo
-        if cfg.vllm_importance_sampling_correction:
-            weights = imported_importance_weights(
-                ctx.model,
-                state,
-                responses,
-                temperature=cfg.temperature,
-                cap=cfg.vllm_importance_sampling_cap,
-                score=score_logprobs,
+    with budgeted_state(config.engine, ctx.model, state) as state:
+        if config.agent is not None:
+            generator = held.sampling_generator(config, policy.step, prompt.index)
+            trajectories = sample_trajectories(ctx, state, example, sampling_params(ctx), generator)
+            return _agent_rollout_ref(
+                ctx, policy, prompt, example, trajectories, started, state_traffic(state)
             )
+        if imported is None:
+            generator = held.sampling_generator(config, policy.step, prompt.index)
+            responses = _sample(ctx, state, generator)
+        else:
+            responses = imported.group(example.prompt_id, policy.policy_version)
+            cfg = config.grpo
+            if cfg.vllm_importance_sampling_correction:
+                weights = imported_importance_weights(
+                    ctx.model,
+                    state,
+                    responses,
+                    temperature=cfg.temperature,
+                    cap=cfg.vllm_importance_sampling_cap,
+                    score=score_logprobs,
+                )
+        traffic = state_traffic(state)
     rollout_seconds = time.perf_counter() - started
     started = time.perf_counter()
     register_haystack_rewards()  # the built-in names a config may list in data.rewards
@@ -253,13 +260,13 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
         step=policy.step,
         rewards=record.rewards,
         seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+        state_traffic=traffic,
     )
 
 
-def _agent_rollout(ctx, policy, prompt, example, state, generator, started) -> RolloutRef:
-    """The agent run's rollout: trajectories with the environment (single process)."""
+def _agent_rollout_ref(ctx, policy, prompt, example, trajectories, started, traffic) -> RolloutRef:
+    """The agent run's rollout record: trajectories with the environment and their rewards."""
     config = ctx.config
-    trajectories = sample_trajectories(ctx, state, example, sampling_params(ctx), generator)
     rollout_seconds = time.perf_counter() - started
     started = time.perf_counter()
     register_haystack_rewards()
@@ -287,6 +294,7 @@ def _agent_rollout(ctx, policy, prompt, example, state, generator, started) -> R
         step=policy.step,
         rewards=record.rewards,
         seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+        state_traffic=traffic,
     )
 
 
@@ -313,12 +321,20 @@ def score_group(
         model, state = ctx.reference_model, held.reference_state(ctx, example)
     else:
         model, state = ctx.model, held.prompt_state(ctx, example)
-    scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
+    with budgeted_state(config.engine, model, state) as state:
+        scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
+        traffic = state_traffic(state)
     path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
         f"scores-g{rollout.prompt.index}-{which}.json"
     )
     uri, digest = artifacts.write_json(path, [s.tolist() for s in scored], write=is_writer())
-    return ScoresRef(uri=uri, digest=digest, which=which, seconds=time.perf_counter() - started)
+    return ScoresRef(
+        uri=uri,
+        digest=digest,
+        which=which,
+        seconds=time.perf_counter() - started,
+        state_traffic=traffic,
+    )
 
 
 def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> AdvantagePlan:

@@ -16,7 +16,7 @@ import torch
 
 from longstraw.grpo.optim import UpdateStats
 from longstraw.schemas.refs import PolicyRef, UpdateResult
-from longstraw.schemas.results import GroupStats, StepMetrics
+from longstraw.schemas.results import GroupStats, StateTraffic, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.training import progress
 from longstraw.training import stages as _stages
@@ -105,6 +105,9 @@ def run_step(
     add("reference", sum(s.seconds for s in refs if s is not None))
     add("score_old", sum(s.seconds for s in olds if s is not None))
 
+    # What the tiered prompt state (engine.state_budget_bytes) held and moved, stage by stage.
+    traffic = [r.state_traffic for r in rollouts]
+    traffic += [s.state_traffic for s in (*refs, *olds) if s is not None]
     current = policy
     group_stats: list[GroupStats] = []
     update: UpdateResult | None = None
@@ -119,6 +122,7 @@ def run_step(
             for g, rollout in enumerate(rollouts)
         ]
         group_stats = [r.stats for r in results]
+        traffic += [s.state_traffic for s in group_stats]
         for stats in group_stats:
             add("replay", stats.seconds.replay)
             add("sweep", stats.seconds.sweep)
@@ -145,6 +149,7 @@ def run_step(
         seconds=seconds,
         shards_computed=sum(r.shards_computed for r in reports),
         shards_reused=sum(r.shards_reused for r in reports),
+        state_traffic=traffic,
     )
     if config.agent is not None:
         metrics = metrics.model_copy(update=agent_metrics(records))
@@ -180,9 +185,12 @@ def step_metrics(
     seconds: dict[str, float],
     shards_computed: int,
     shards_reused: int,
+    state_traffic: list[StateTraffic | None] = (),
 ) -> StepMetrics:
-    """The audit record of one step (`rewards`/`advantages` [groups, G])."""
+    """The audit record of one step (`rewards`/`advantages` [groups, G]; `state_traffic` one
+    entry per stage that read a prompt state, None where it was resident)."""
     kls = [s.kl for s in group_stats if s.kl is not None]
+    tiered = [t for t in state_traffic if t is not None]
     count = max(len(group_stats), 1)
     return StepMetrics(
         step=step,
@@ -208,4 +216,7 @@ def step_metrics(
         peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
         shards_computed=shards_computed,
         shards_reused=shards_reused,
+        state_peak_resident_bytes=max((t.peak_resident_bytes for t in tiered), default=None),
+        state_bytes_read=sum(t.bytes_read for t in tiered),
+        state_bytes_written=sum(t.bytes_written for t in tiered),
     )

@@ -1,18 +1,36 @@
-"""Replay from a committed prompt state without loading it: its K/V or latents stream per layer.
+"""The prompt state under `engine.state_budget_bytes` in the stages, and replay from a committed
+state without loading it (its K/V or latents stream chunk by chunk).
 
-Joins `longstraw.storage.streamed_state` (the Zarr chunks as a lower tier, checksummed as read)
-and `longstraw.engine.state_tiers` (the resident budget and the per-layer streaming).
+`budgeted_state` is what the no-grad stages (rollout, scoring) read; the backward stage tiers
+its state inside `accumulate_group_gradients`. `tier_committed_state` joins
+`longstraw.storage.streamed_state` (the Zarr chunks as a lower tier, checksummed as read) and
+`longstraw.engine.state_tiers` (the resident budget and the streaming).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.state import PrefixState, shard_bounds
-from longstraw.engine.state_tiers import TieredState, tiered_from_sources
+from longstraw.engine.state_tiers import TieredState, tiered_for_group, tiered_from_sources
 from longstraw.models.adapters import state_spec
 from longstraw.storage.streamed_state import StreamedCommittedState
+
+
+@contextlib.contextmanager
+def budgeted_state(engine, model: PreTrainedModel, state: PrefixState) -> Iterator[PrefixState]:
+    """`state`, tiered under `engine.state_budget_bytes` (an `EngineConfig`; None: itself) for
+    the block: what rollout and scoring read, no cotangent. Tokens and log-probs are bitwise
+    those of the resident state (same kernels, same chunk grid)."""
+    with tiered_for_group(
+        model, state, engine.state_budget_bytes, engine.state_tier, engine.state_dir, exact=False
+    ) as tiered:
+        yield tiered
+
 
 # Storage array names of the per-token arrays -> PrefixState fields.
 TOKEN_FIELDS = {

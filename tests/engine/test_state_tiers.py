@@ -1,8 +1,9 @@
-"""A tiered prompt state (resident budget, the rest streamed per layer) against the resident one.
+"""A tiered prompt state (resident budget, the rest streamed chunk by chunk) against the resident one.
 
 Reference: the same engine on the fully resident state. Same kernels on the same values in the
 same order, so log-probs, rollout tokens and gradients must be bitwise equal, and the store's
-own count of device-resident bytes must stay within max(budget, one layer) + one prefetch layer.
+own count of device-resident bytes must stay within max(budget, one chunk unit) + one chunk
+unit (a chunk unit: one chunk of every streamed array of a layer, cotangents included).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import pytest
 import torch
 from engine_helpers import random_group, take_grads, vocab_of
 
+from longstraw.engine import attention
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import branch_logprobs
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state_tiers import tier_state
+from longstraw.models import glm
 from longstraw.schemas.grpo import GRPOConfig
 
 # Full attention, the Qwen3.5 hybrid (Gated DeltaNet + full attention), GLM-5 MLA + DSA.
@@ -23,6 +26,16 @@ FAMILIES = ("llama", "qwen3_5", "glm_moe_dsa")
 PROMPT_LEN = 41
 SHARD_TOKENS = 16  # T = 40: shards 16/16/8
 RESPONSE_LENS = (5, 7)
+# The kernels' prefix chunk, for the resident and the tiered run alike: T = 40 is 4 chunks
+# (12/12/12/4), and the sweep's prefixes (16, 32) end inside a chunk.
+CHUNK_TOKENS = 12
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Attention kernels (and so the streamed unit) on a 12-row prefix grid."""
+    monkeypatch.setattr(attention, "PREFIX_CHUNK_TOKENS", CHUNK_TOKENS)
+    monkeypatch.setattr(glm, "PREFIX_CHUNK_TOKENS", CHUNK_TOKENS)
 
 
 def _layer_bytes(tiered) -> int:
@@ -30,18 +43,24 @@ def _layer_bytes(tiered) -> int:
 
 
 def _budgets(tiered_probe) -> dict[str, int]:
-    """Zero (smaller than one layer: nothing kept, one layer streamed at a time, one prefetched)
-    and about two layers (one kept for good, one streamed through the rest)."""
-    unit = _layer_bytes(tiered_probe)
-    return {"zero": 0, "two_layers": 2 * unit + 1}
+    """Zero (nothing kept: one chunk of each array streamed at a time, one prefetched), two
+    chunk units (below one layer's state), and two layers plus a chunk unit (two kept for good,
+    the rest streamed)."""
+    unit, chunk = _layer_bytes(tiered_probe), tiered_probe.store.chunk_unit_bytes
+    assert 2 * chunk < unit  # the grid really cuts a layer
+    return {"zero": 0, "below_one_layer": 2 * chunk, "two_layers": 2 * unit + chunk}
 
 
 def _assert_within_budget(tiered, budget: int) -> None:
-    unit = _layer_bytes(tiered)
     store = tiered.store
-    assert store.peak_resident_bytes <= max(budget, unit) + unit, (
-        f"peak resident {store.peak_resident_bytes} > max(budget {budget}, layer {unit}) + {unit}"
+    chunk = store.chunk_unit_bytes
+    assert store.peak_resident_bytes <= max(budget, chunk) + chunk, (
+        f"peak resident {store.peak_resident_bytes} > max(budget {budget}, chunk unit {chunk})"
+        f" + {chunk}"
     )
+    if budget < _layer_bytes(tiered):
+        # Chunks within a layer: never a whole layer's state on the device at once.
+        assert store.peak_resident_bytes < _layer_bytes(tiered)
     assert store.bytes_read > 0  # the state really was streamed from the lower tier
 
 
@@ -64,7 +83,7 @@ def _assert_bitwise(actual: dict, expected: dict, what: str) -> None:
 @pytest.mark.parametrize(("prompt_grad", "lower"), [("exact", "disk"), ("detached", "host")])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiered_state_gives_bitwise_equal_gradients(
-    tiny_model, tmp_path, family, prompt_grad, lower
+    tiny_model, tmp_path, small_chunks, family, prompt_grad, lower
 ):
     model = tiny_model(family)
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
@@ -83,19 +102,19 @@ def test_tiered_state_gives_bitwise_equal_gradients(
         ) as tiered:
             actual, logps = _grads(model, tiered.state, prompt_grad, responses, advantages)
             _assert_within_budget(tiered, budget)
-            if label == "zero":
+            if label in ("zero", "below_one_layer"):
                 assert not tiered.store.permanent
+                assert tiered.store.bytes_written > 0 or prompt_grad == "detached"
             if label == "two_layers":
-                # One kept and room for the working layer; with two layers both fit outright.
-                layers = len(tiered.store.unit_bytes)
-                assert len(tiered.store.permanent) == (2 if layers == 2 else 1)
+                # Two kept, with room for one working chunk unit streaming the rest.
+                assert len(tiered.store.permanent) == min(2, len(tiered.store.unit_bytes))
         assert logps == expected_logps, f"{family}/{prompt_grad}/{label}: log-probs differ"
         _assert_bitwise(actual, expected, f"{family}/{prompt_grad}/{lower}/{label}")
     assert not list(tmp_path.iterdir()), "scratch files left behind"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiered_state_gives_the_same_rollout_and_logprobs(tiny_model, family):
+def test_tiered_state_gives_the_same_rollout_and_logprobs(tiny_model, small_chunks, family):
     model = tiny_model(family)
     prompt, responses, _ = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
     state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
@@ -142,7 +161,7 @@ def _persisted(model, tmp_path, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
 def test_replay_streams_from_the_committed_state_with_bitwise_equal_gradients(
-    tiny_model, tmp_path, family
+    tiny_model, tmp_path, small_chunks, family
 ):
     from longstraw.storage.streamed_state import open_streamed_state
     from longstraw.training.streamed_state import tier_committed_state
@@ -200,7 +219,9 @@ def test_a_flipped_byte_is_detected_when_its_chunk_is_streamed(tiny_model, tmp_p
     assert (err.value.array, tuple(err.value.index)) == (victim.array, tuple(victim.index))
 
 
-def test_group_gradients_with_a_state_budget_match_the_resident_ones(tiny_model, tmp_path):
+def test_group_gradients_with_a_state_budget_match_the_resident_ones(
+    tiny_model, tmp_path, small_chunks
+):
     """The `engine.state_budget_bytes` path: accumulate_group_gradients tiers the state itself."""
     model = tiny_model("qwen3_5")
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
@@ -223,3 +244,23 @@ def test_group_gradients_with_a_state_budget_match_the_resident_ones(tiny_model,
     assert runs[1][1] == runs[0][1]
     _assert_bitwise(runs[1][0], runs[0][0], "state_budget_bytes=0")
     assert not list(tmp_path.iterdir()), "scratch files left behind"
+
+
+def test_a_store_grid_other_than_the_kernels_gathers_reads_and_refuses_cotangent_slices(
+    tiny_model, small_chunks
+):
+    """Streamed in 5-row chunks while the kernels slice 12 rows: reads are gathered copies (same
+    numbers), but a cotangent slice across chunks cannot be added into in place."""
+    model = tiny_model("llama")
+    prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
+    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    expected, expected_logps = _grads(model, state, "detached", responses, advantages)
+    with tier_state(model, state, budget_bytes=0, exact=False, chunk_tokens=5) as tiered:
+        actual, logps = _grads(model, tiered.state, "detached", responses, advantages)
+    assert logps == expected_logps
+    _assert_bitwise(actual, expected, "5-row store grid")
+    with (
+        tier_state(model, state, budget_bytes=0, chunk_tokens=5) as tiered,
+        pytest.raises(IndexError, match="a cotangent is added into one chunk"),
+    ):
+        _grads(model, tiered.state, "exact", responses, advantages)

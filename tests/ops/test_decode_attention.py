@@ -11,6 +11,7 @@ import torch
 
 from longstraw.engine.cache import BranchBuffer
 from longstraw.ops import decode_attention as da
+from longstraw.ops import prefix_attention as pa
 from longstraw.ops.decode_attention import decode_attention, naive_decode_attention
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -71,18 +72,26 @@ def test_decode_attention_bf16_is_close_to_fp32():
 
 
 def test_decode_attention_does_not_copy_the_prefix_per_row(monkeypatch):
-    """The fused call sees the prefix once ([1, K, T, D]) with all rows folded into its queries."""
+    """Each fused call sees one prefix chunk once ([1, K, C, D], a view of the state's rows)
+    with all rows folded into its queries."""
     seen = []
-    flash = da._CPU_FLASH
+    flash = pa._CPU_FLASH
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((tuple(q.shape), tuple(k.shape), k.data_ptr()))
         return flash(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(da, "_CPU_FLASH", spy)
+    monkeypatch.setattr(pa, "_CPU_FLASH", spy)
     q, kb, vb, kp, vp = _inputs(8, 8, 2, 1, 4, 256, 16, 16)
     decode_attention(q, kb, vb, kp, vp, scale=0.25)
     assert seen == [((1, 2, 32, 16), (1, 2, 256, 16), kp.data_ptr())]
+    seen.clear()
+    got = decode_attention(q, kb, vb, kp, vp, scale=0.25, chunk_size=100)
+    assert seen == [
+        ((1, 2, 32, 16), (1, 2, rows, 16), kp[start].data_ptr())
+        for start, rows in ((0, 100), (100, 100), (200, 56))
+    ]
+    torch.testing.assert_close(got, naive_decode_attention(q, kb, vb, kp, vp, scale=0.25), **FP32)
 
 
 def test_branch_buffer_appends_in_place_and_grows_past_its_capacity():
