@@ -41,8 +41,9 @@ def test_reward_rises_with_the_key_lookup_tool(tmp_path, checkpoint_dir, load_to
 
     The example's settings: 128-token haystack + the tool's system prompt (241 prompt tokens in
     4 shards), the first turn always a lookup, the second the answer, 3 tokens a turn, segments
-    of 16 tokens, exact mode, lr 5e-2. Measured (2-core machine under load ~4.5, train seed 42):
-    per step 0.062 0.059 0.171 0.273 0.407 0.472 (first 3 = 0.097, last 3 = 0.384), in 150-200 s;
+    of 16 tokens, exact mode, lr 5e-2. Measured (2-core machine, train seed 42):
+    per step 0.062 0.059 0.171 0.273 0.407 0.472 (first 3 = 0.097, last 3 = 0.384), in 11 s on an
+    idle machine (150-230 s under load 4-5);
     whole-branch replay (no segments) gives the same rewards to 3 decimals. 0.5 is the shaped
     reward of any one-digit answer. Without the system prompt (139 prompt tokens) the same six
     steps did not learn (0.062 ... 0.029): the test runs the example as shipped.
