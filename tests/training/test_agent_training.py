@@ -106,3 +106,35 @@ def test_agent_runs_refuse_what_they_cannot_do(tmp_path, checkpoint_dir):
     config = _config(tmp_path, checkpoint_dir("qwen3_5"), agent={"environment_args": {"turns": 2}})
     with pytest.raises(UserError, match=r"does not accept agent\.environment_args"):
         preflight(config, resume=False)
+
+
+def test_agent_rollout_and_backward_stream_under_a_budget_bitwise(
+    tmp_path, checkpoint_dir, monkeypatch
+):
+    """Budget 0 (every chunk of every layer streamed from a scratch file) against the resident
+    state: the same trajectories, log-probs, rewards and step, bit for bit."""
+    from longstraw.engine import attention
+
+    # 241 prompt tokens over chunks of 32: chunks cut every layer and every sweep prefix.
+    monkeypatch.setattr(attention, "PREFIX_CHUNK_TOKENS", 32)
+    runs = {}
+    for label, budget in (("resident", None), ("budgeted", 0)):
+        scratch = tmp_path / f"scratch-{label}"
+        scratch.mkdir()
+        config = _config(
+            tmp_path / label,
+            checkpoint_dir("qwen3_5"),
+            train={"num_steps": 1},
+            engine={"state_budget_bytes": budget, "state_tier": "disk", "state_dir": str(scratch)},
+        )
+        metrics = train(config).history[0]
+        (rollout_file,) = (tmp_path / label).rglob("rollout-g*.json")
+        record = stages.RolloutRecord.model_validate_json(rollout_file.read_text())
+        runs[label] = (metrics, record)
+        assert not list(scratch.iterdir()), "scratch files left behind"
+    (resident, r_record), (budgeted, b_record) = runs["resident"], runs["budgeted"]
+    assert b_record.prompt == r_record.prompt
+    for field in ("response_ids", "sampler_logprobs", "loss_masks", "rewards", "finish_reasons"):
+        assert getattr(b_record, field) == getattr(r_record, field), field
+    assert (budgeted.loss, budgeted.grad_norm) == (resident.loss, resident.grad_norm)
+    assert budgeted.state_bytes_read > 0 and resident.state_bytes_read == 0
