@@ -118,7 +118,11 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     for branch in sorted({r["branch_tokens"] for r in rows}):
-        base = next(r for r in rows if r["branch_tokens"] == branch and r["mode"] == "whole_branch")
+        base = next(
+            (r for r in rows if r["branch_tokens"] == branch and r["mode"] == "whole_branch"), None
+        )
+        if base is None:  # no baseline measured at this length (--modes without whole_branch)
+            continue
         for r in rows:
             if r["branch_tokens"] == branch:
                 r["rss_ratio_vs_whole_branch"] = r["peak_rss_growth"] / max(
