@@ -249,17 +249,23 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
         rewards=[float(x) for x in rewards],
         importance_weights=None if weights is None else [w.tolist() for w in weights],
     )
+    seconds = {"rollout": rollout_seconds, "reward": time.perf_counter() - started}
+    return _stored_rollout(config, policy, record, seconds, traffic)
+
+
+def _stored_rollout(config, policy, record: RolloutRecord, seconds, traffic) -> RolloutRef:
+    """Write a group's rollout record (rank 0 writes; every rank gets the ref)."""
     path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
-        f"rollout-g{prompt.index}.json"
+        f"rollout-g{record.prompt.index}.json"
     )
     uri, digest = artifacts.write_json(path, record, write=is_writer())
     return RolloutRef(
         uri=uri,
         digest=digest,
-        prompt=prompt,
+        prompt=record.prompt,
         step=policy.step,
         rewards=record.rewards,
-        seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
+        seconds=seconds,
         state_traffic=traffic,
     )
 
@@ -283,19 +289,8 @@ def _agent_rollout_ref(ctx, policy, prompt, example, trajectories, started, traf
         num_turns=[len(t.turns) for t in trajectories],
         errors=[t.error for t in trajectories],
     )
-    path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
-        f"rollout-g{prompt.index}.json"
-    )
-    uri, digest = artifacts.write_json(path, record)
-    return RolloutRef(
-        uri=uri,
-        digest=digest,
-        prompt=prompt,
-        step=policy.step,
-        rewards=record.rewards,
-        seconds={"rollout": rollout_seconds, "reward": time.perf_counter() - started},
-        state_traffic=traffic,
-    )
+    seconds = {"rollout": rollout_seconds, "reward": time.perf_counter() - started}
+    return _stored_rollout(config, policy, record, seconds, traffic)
 
 
 def rollout_record(rollout: RolloutRef) -> RolloutRecord:
