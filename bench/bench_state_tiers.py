@@ -37,16 +37,12 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(
-    checkpoint: str, length: int, group: int, budget: int | None, scratch: str, threads: int
-) -> dict:
+def _prefilled(checkpoint: str, length: int, group: int, threads: int):
+    """The model, G random responses, advantages and the prefilled state of a random prompt."""
     import torch
 
-    from longstraw.engine.group import accumulate_group_gradients
     from longstraw.engine.prefill import prefill
-    from longstraw.engine.state_tiers import tier_state
     from longstraw.models.checkpoint import load_checkpoint
-    from longstraw.schemas.grpo import GRPOConfig
 
     torch.set_num_threads(threads)
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
@@ -55,7 +51,18 @@ def worker(
     prompt = torch.randint(0, vocab, (length,), generator=gen)
     responses = [torch.randint(0, vocab, (RESPONSE_TOKENS,), generator=gen) for _ in range(group)]
     advantages = torch.linspace(-1, 1, group)
-    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    return model, responses, advantages, prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+
+
+def worker(
+    checkpoint: str, length: int, group: int, budget: int | None, scratch: str, threads: int
+) -> dict:
+
+    from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.engine.state_tiers import tier_state
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, responses, advantages, state = _prefilled(checkpoint, length, group, threads)
     state_bytes = state.state_bytes()
     tiered = None
     if budget is not None:
@@ -102,22 +109,12 @@ def timing_worker(
 ) -> list[dict]:
     """Step times only, one process, one prefill: resident and tiered alternate `repeats` times
     (same model, same state, same load as far as the machine allows)."""
-    import torch
 
     from longstraw.engine.group import accumulate_group_gradients
-    from longstraw.engine.prefill import prefill
     from longstraw.engine.state_tiers import tier_state
-    from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    torch.set_num_threads(threads)
-    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(42)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (length,), generator=gen)
-    responses = [torch.randint(0, vocab, (RESPONSE_TOKENS,), generator=gen) for _ in range(group)]
-    advantages = torch.linspace(-1, 1, group)
-    state = prefill(model, prompt, shard_tokens=SHARD_TOKENS)
+    model, responses, advantages, state = _prefilled(checkpoint, length, group, threads)
     records = []
     for _ in range(repeats):
         for label in ("resident", "tiered"):
