@@ -27,7 +27,7 @@ from longstraw.distributed.cross_rank_attention import (
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.cache import StateCache
-from longstraw.engine.layer_kinds import prefill_layers
+from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, prefill_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import state_spec
@@ -136,8 +136,8 @@ def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
     previous, owner = state.owner_of(shard - 1), state.owner_of(shard)
     if previous == owner:
         return
-    for name in ("conv", "recurrent"):
-        full = getattr(state, name)
+    for array in CHECKPOINT_ARRAYS:
+        full = getattr(state, array.field)
         if state.rank == previous:
             buffer = full[:, -1].contiguous()
         else:
@@ -151,10 +151,10 @@ def broadcast_final_linear_state(state: ShardedPrefixState, group) -> None:
     if state.conv is None:
         return
     last = state.world_size - 1
-    for name in ("conv", "recurrent"):
-        final = getattr(state, f"final_{name}")
+    for array in CHECKPOINT_ARRAYS:
+        final = getattr(state, f"final_{array.field}")
         if state.rank == last:
-            final.copy_(getattr(state, name)[:, -1])
+            final.copy_(getattr(state, array.field)[:, -1])
         dist.broadcast(final, group=group, group_src=last)
 
 

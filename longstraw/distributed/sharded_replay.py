@@ -32,7 +32,7 @@ from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
-from longstraw.engine.layer_kinds import branch_layers, sweep_layers
+from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, branch_layers, sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.recomputed_span import (
     SpanOutputs,
@@ -198,8 +198,8 @@ def _hand_back_linear_cotangent(
     owner, previous = state.owner_of(shard), state.owner_of(shard - 1)
     if owner == previous:
         return
-    for name in ("conv", "recurrent"):
-        buffer = getattr(cotangent, name)
+    for array in CHECKPOINT_ARRAYS:
+        buffer = getattr(cotangent, array.field)
         incoming = buffer if state.rank == owner else torch.empty_like(buffer)
         dist.broadcast(incoming, group=group, group_src=owner)
         if state.rank == previous:

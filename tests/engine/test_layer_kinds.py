@@ -80,3 +80,19 @@ def test_declared_arrays_are_fields_of_the_state_and_its_cotangent():
             assert array.storage_name.startswith(f"{kind.field}/") or kind.field == "mla"
             assert array.field in state_fields and array.field in sharded_fields, array
             assert (array.field in cotangent_fields) == array.has_cotangent, array
+
+
+def test_a_state_rebuilt_from_its_stored_arrays_keeps_every_array(checkpoint_dir):
+    # What persisted prefill does with a committed state; GLM-5's latents were dropped once.
+    for family in ("qwen3_5", "glm_moe_dsa"):
+        spec = adapters.state_spec(AutoConfig.from_pretrained(checkpoint_dir(family)))
+        ids = torch.arange(64)
+        state = PrefixState.allocate(spec, prompt_ids=ids, shard_tokens=24, dtype=torch.float32)
+        for tensor in state.tensors().values():
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(42)))
+        rebuilt = PrefixState.from_tensors(
+            spec, prompt_ids=ids, shard_tokens=24, tensors=state.tensors()
+        )
+        assert rebuilt.tensors().keys() == state.tensors().keys(), family
+        for name, tensor in state.tensors().items():
+            assert torch.equal(rebuilt.tensors()[name], tensor), (family, name)
