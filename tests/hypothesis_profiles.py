@@ -5,8 +5,8 @@
   its own `max_examples`. `ci` also prints the reproduction blob of a failure.
 - `search` (`HYPOTHESIS_PROFILE=search make test`, or the same before pytest on one test file):
   an opt-in wide random search — fresh random draws, `SEARCH_EXAMPLES` examples per property
-  test, failures saved to the local example database (.hypothesis/) and replayed on the next
-  search run. What it finds goes into the test as an explicit `@example`.
+  test, no example database; a failure prints its `@reproduce_failure` blob and its drawn
+  arguments, which go into the test as an explicit `@example`.
 
 A test sets its example count with `examples(n)`, so that the search profile can raise it:
 an explicit `@settings(max_examples=n)` would override any profile's.
