@@ -12,8 +12,8 @@ it is built and freed one block of tokens at a time:
   (an MLP, dense or mixture-of-experts with per-token routing), backward recomputes and
   backpropagates `block_tokens` rows at a time.
 - `gated_delta_rule_recomputed_in_blocks(...)`: for the gated delta rule, whose tokens are tied
-  by the recurrent state, backward first replays the recurrence without autograd to get the
-  state entering each block, then walks the blocks last to first: recompute one block from its
+  by the recurrent state, backward first replays the recurrence without autograd, in float64,
+  to get the state entering each block, then walks the blocks last to first: recompute one block from its
   entering state (a leaf), backpropagate its output cotangent and the cotangent of its end state,
   hand the entering state's cotangent to the previous block.
 

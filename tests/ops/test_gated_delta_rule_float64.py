@@ -19,7 +19,7 @@ under CI=true). For a wide random search, run
 `HYPOTHESIS_PROFILE=search .venv/bin/python -m pytest tests/ops/test_gated_delta_rule_float64.py`
 (thousands of fresh examples); a case it finds past the bar goes in as an `@example`.
 Such a search (about 2,800 draws) still finds the chunked kernel's decay gradients past the bar,
-up to 1.8x, with strong decays (A_log >= 1.35) and one-token blocks or T = 1, e.g. B=1, T=1,
+up to 1.8x, mostly with strong decays (A_log >= 1.35) or T = 1, e.g. B=1, T=1,
 Hk=2, group=1, Dk=Dv=4, a_log_low=a_log_width=2.0111, seed=1 (dA_log, dt_bias, da 1.7x); they
 are not `@example`s until fixed.
 """
