@@ -12,12 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis_profiles import register_and_load_profiles
 
 # Tests run on 2 cores; more threads only add contention.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Property tests draw the same examples on every run of a commit (`default`, and `ci` under
+# CI=true); HYPOTHESIS_PROFILE=search is the opt-in wide random search (tests/hypothesis_profiles.py).
+register_and_load_profiles()
 
 ENGINE_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_next")
 SEED = 42

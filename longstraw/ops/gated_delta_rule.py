@@ -66,12 +66,16 @@ def _check_inputs(query, key, value, g, beta, initial_state, kwargs) -> None:
 def _to_heads_first_fp32(query, key, value, g, beta, use_qk_l2norm_in_kernel):
     """[B, T, H, D] -> [B, Hv, T, D] fp32 (keys/queries repeated for grouped value heads),
     l2-normalised if asked, queries scaled by Dk ** -0.5 — exactly transformers' preamble."""
+    return _to_heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel, torch.float32)
+
+
+def _to_heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel, dtype):
     Hk, Hv = key.shape[2], value.shape[2]
     if Hk != Hv:
         query = query.repeat_interleave(Hv // Hk, dim=2)
         key = key.repeat_interleave(Hv // Hk, dim=2)
     q, k, v, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
         for x in (query, key, value, beta, g)
     )
     if use_qk_l2norm_in_kernel:
@@ -135,17 +139,68 @@ def chunked_gated_delta_rule(
     _check_inputs(query, key, value, g, beta, initial_state, kwargs)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    out, state = _chunked(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size,
+        initial_state,
+        use_qk_l2norm_in_kernel,
+        torch.float32,
+    )
+    return out, (state if output_final_state else None)
+
+
+def final_state_in_float64(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> torch.Tensor:
+    """The final state [B, Hv, Dk, Dv] float64 of `chunked_gated_delta_rule`'s recurrence from
+    `initial_state`, every operation in float64 (no autograd intended).
+
+    For the blockwise backward's replay of the states entering its blocks: an fp32 replay's
+    rounding of an entering state is a perturbation shared by every token of the block, so with
+    weak decay its effect on the decay gradients adds up over the block instead of averaging out.
+    """
+    _check_inputs(query, key, value, g, beta, initial_state, {})
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    _, state = _chunked(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size,
+        initial_state,
+        use_qk_l2norm_in_kernel,
+        torch.float64,
+    )
+    return state
+
+
+def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2norm_in_kernel, dtype):
+    """`chunked_gated_delta_rule`'s computation, in `dtype` (float32 for the kernel) ->
+    (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`)."""
     out_dtype = query.dtype
     B, T, _, Dk = key.shape
     Hv, Dv = value.shape[2:]
-    q, k, v, g, beta = _to_heads_first_fp32(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    q, k, v, g, beta = _to_heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel, dtype)
 
     if initial_state is None:
-        state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+        state = torch.zeros(B, Hv, Dk, Dv, dtype=dtype, device=v.device)
     else:
-        state = initial_state.to(device=v.device, dtype=torch.float32)
+        state = initial_state.to(device=v.device, dtype=dtype)
     if T == 0:
-        return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), (state if output_final_state else None)
+        return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), state
 
     C = min(chunk_size, T)
     # Padded tokens have k = v = beta = 0 and g = 0 (decay 1): they leave the state untouched.
@@ -171,7 +226,7 @@ def chunked_gated_delta_rule(
     # triangular solve per right-hand side by 2-3x, forward and backward (C=64, D=128: 0.05 s
     # vs 0.10-0.15 s at T=4096, Hv=4).
     ut_BHNCC = (k_beta_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
-    eye_CC = torch.eye(C, dtype=torch.float32, device=v.device)
+    eye_CC = torch.eye(C, dtype=dtype, device=v.device)
     inv_BHNCC = torch.linalg.solve_triangular(
         ut_BHNCC, eye_CC.expand_as(ut_BHNCC), upper=False, unitriangular=True
     )
@@ -200,7 +255,7 @@ def chunked_gated_delta_rule(
     out_BHNCV = q_decayed_BHNCK @ starts_BHNKV + attn_BHNCC @ v_new_BHNCV
     out = out_BHNCV.reshape(B, Hv, N * C, Dv)[:, :, :T]
     out = out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
-    return out, (state if output_final_state else None)
+    return out, state
 
 
 def naive_gated_delta_rule(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from longstraw.data.rewards import (
     haystack_exact,
@@ -124,7 +125,7 @@ def test_shaped_reward_gives_full_credit_for_the_answer_and_half_for_the_alphabe
     assert haystack_shaped("", "   ", metadata) == 0.0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     response=st.text(alphabet="0123456789 ,.abc\n", max_size=40),
     multi=st.booleans(),

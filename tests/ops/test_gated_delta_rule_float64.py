@@ -13,6 +13,15 @@ Measured with LongStraw's chunked kernel as it was when it formed the decays fro
 one cumsum (as transformers' does): on this test's `@example`, dA_log relative error 1.9e-3
 (chunked) and 1.2e-3 (blockwise) against a bar of 1e-5 (the recurrence: 8.6e-8); over 450 random
 draws from the ranges below, the kernels now reach at most 0.75 of the bar.
+
+The draws are the same on every run (tests/hypothesis_profiles.py: derandomized by default and
+under CI=true). For a wide random search, run
+`HYPOTHESIS_PROFILE=search .venv/bin/python -m pytest tests/ops/test_gated_delta_rule_float64.py`
+(thousands of fresh examples); a case it finds past the bar goes in as an `@example`.
+Such a search (about 2,800 draws) still finds the chunked kernel's decay gradients past the bar,
+up to 1.8x, mostly with strong decays (A_log >= 1.35) or T = 1, e.g. B=1, T=1,
+Hk=2, group=1, Dk=Dv=4, a_log_low=a_log_width=2.0111, seed=1 (dA_log, dt_bias, da 1.7x); they
+are not `@example`s until fixed.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch.nn.functional as F
 from float64 import float64_computation, relative_error
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.blockwise_backward import gated_delta_rule_recomputed_in_blocks
@@ -100,7 +110,7 @@ def _recurrence(q, k, v, g, beta, **kwargs):
     return naive_gated_delta_rule(q, k, v, g, beta, **kwargs)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     B=st.integers(1, 2),
     T=st.integers(1, 150),
@@ -119,6 +129,13 @@ def _recurrence(q, k, v, g, beta, **kwargs):
 @example(
     B=1, T=150, Hk=2, group=2, Dk=16, Dv=16, a_log_low=2.5, a_log_width=1.5,
     chunk_size=64, block_tokens=40, seed=0,
+)  # fmt: skip
+# Equal weak decays (A = 0.021) over two blocks of 29 and 25 tokens: dA_log = sum_t g_t dg_t
+# cancels 53-fold here; an fp32 replay of the state entering the second block put the blockwise
+# dA_log at 1.25e-5 against a bar of 1.18e-5 on one machine (the replay is float64 now).
+@example(
+    B=2, T=54, Hk=1, group=1, Dk=16, Dv=8, a_log_low=-3.84375, a_log_width=0.0,
+    chunk_size=8, block_tokens=29, seed=17434,
 )  # fmt: skip
 def test_gated_delta_rule_gradients_match_float64_recurrence(
     B, T, Hk, group, Dk, Dv, a_log_low, a_log_width, chunk_size, block_tokens, seed
