@@ -41,11 +41,14 @@ def run_config(
 def deployment_config() -> dict[str, Any] | None:
     """The `config` parameter of the deployment this flow run was created from (None when it
     was called directly)."""
+    from prefect import get_client
     from prefect.runtime import deployment
 
     if deployment.id is None:
         return None
-    return (deployment.parameters or {}).get("config")
+    # Read the deployment itself: `prefect.runtime.deployment.parameters` are the flow run's.
+    with get_client(sync_client=True) as client:
+        return (client.read_deployment(deployment.id).parameters or {}).get("config")
 
 
 def refuse_restart(config: RunConfig, resume: bool) -> None:

@@ -80,6 +80,31 @@ def save_optimizer_part(tmp: Path, tensors: dict[str, torch.Tensor], rank: int, 
     save_file(tensors, str(tmp / name))
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets it process-wide, racing
+    with threads that create files meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_per_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode a newly created file gets (0666 & ~umask).
+
+    safetensors writes its files 0600 whatever the umask, so weights and optimizer state on a
+    shared volume would be unreadable to the team's other users."""
+    mode = 0o666 & ~process_umask()
+    for file in folder.rglob("*"):
+        if file.is_file():
+            file.chmod(mode)
+
+
 def commit_checkpoint(
     tmp: Path,
     final: Path,
@@ -98,6 +123,7 @@ def commit_checkpoint(
         tokenizer.save_pretrained(str(tmp))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         write_checkpoint_metadata(tmp, policy_version=policy_version)
+        share_per_umask(tmp)
         os.rename(tmp, final)
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
