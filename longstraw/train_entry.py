@@ -128,6 +128,17 @@ def summary_table(history) -> Table:
     return table
 
 
+def run_summary(config: RunConfig, history) -> Table | str:
+    """The table of the steps this call ran, or, when it ran none (a `--resume` of a finished
+    run), a line that says so and how to train further."""
+    if history:
+        return summary_table(history)
+    return (
+        f"run {config.run_id!r} already has all {config.train.num_steps} steps: nothing to run; "
+        f"pass --steps N (more than {config.train.num_steps}) with --resume to train further"
+    )
+
+
 class Interrupted(Exception):
     """SIGINT / SIGTERM stopped the run; the message says how to resume it."""
 
@@ -293,7 +304,7 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
             events.remove_listener(listen)
             stop_stage_group()
         progress.update(steps_bar, completed=config.train.num_steps)
-    console.print(summary_table(history))
+    console.print(run_summary(config, history))
     console.print(
         f"finished in {time.perf_counter() - started:.0f} s; latest checkpoint: "
         f"{latest_checkpoint(config.storage, config.run_id)}"

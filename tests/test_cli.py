@@ -83,3 +83,31 @@ def test_help_lists_the_commands(runner):
     assert result.exit_code == 0
     for command in ("init-model", "train", "state", "bench"):
         assert command in result.output, result.output
+
+
+def test_a_resume_with_no_step_left_says_so_instead_of_an_empty_table():
+    from rich.table import Table
+
+    from longstraw.schemas.results import StepMetrics
+    from longstraw.schemas.run import RunConfig
+    from longstraw.train_entry import run_summary
+
+    config = RunConfig(run_id="r1", train={"num_steps": 3})
+    line = run_summary(config, [])
+    assert line == (
+        "run 'r1' already has all 3 steps: nothing to run; pass --steps N (more than 3) with "
+        "--resume to train further"
+    )
+    step = StepMetrics(
+        step=2,
+        policy_version=2,
+        reward_mean=0.5,
+        reward_std=0.1,
+        advantage_mean=0.0,
+        advantage_std=1.0,
+        advantage_min=-1.0,
+        advantage_max=1.0,
+        loss=0.1,
+    )
+    table = run_summary(config, [step])
+    assert isinstance(table, Table) and table.row_count == 1

@@ -9,7 +9,12 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from longstraw.orchestration.names import rounded_rows, step_tags
+from longstraw.orchestration.names import (
+    artifact_key,
+    rounded_rows,
+    step_flow_run_name,
+    step_tags,
+)
 from longstraw.orchestration.stages import prefect_stages
 from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
@@ -17,8 +22,18 @@ from longstraw.schemas.run import RunConfig
 from longstraw.training.step import run_step
 
 
-# Flow runs are named by step (`step-0007`): the run's steps sort and read in order in the UI.
-@flow(name="grpo_step", flow_run_name="step-{policy.step:04d}", log_prints=False)
+def _step_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    # The bound parameters: models in the process that called the flow, JSON mappings when read
+    # back from the API.
+    config, policy = flow_run.parameters["config"], flow_run.parameters["policy"]
+    run_id = config["run_id"] if isinstance(config, dict) else config.run_id
+    step = policy["step"] if isinstance(policy, dict) else policy.step
+    return step_flow_run_name(run_id, step)
+
+
+@flow(name="grpo_step", flow_run_name=_step_run_name, log_prints=False)
 def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetrics]:
     """Prefill → rollout → advantages → (reference / old log-probs) → backward → reduce → update
     → checkpoint; returns the new policy and the step's record."""
@@ -50,8 +65,3 @@ def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetr
         policy.policy_version,
     )
     return policy, metrics
-
-
-def artifact_key(run_id: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return "".join(c if c.isalnum() else "-" for c in run_id.lower())

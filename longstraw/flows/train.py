@@ -5,57 +5,50 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect import flow, get_run_logger, tags
 
 from longstraw.distributed.stage_group import start_stage_group
 from longstraw.errors import UserError
-from longstraw.flows.grpo_step import artifact_key, grpo_step
-from longstraw.orchestration.names import rounded_rows
+from longstraw.flows.grpo_step import grpo_step
+from longstraw.orchestration.curves import publish_run_curves
+from longstraw.orchestration.names import run_tags, step_tags
 from longstraw.orchestration.stages import open_run
+from longstraw.schemas.overrides import RunConfigOverrides, as_overrides
 from longstraw.schemas.results import StepMetrics
-from longstraw.schemas.run import RunConfig, validated_run_config
+from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
-from longstraw.training.loop import after_step
 from longstraw.training.metrics import truncate_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
 
-CURVE_COLUMNS = ("step", "policy_version", "reward_mean", "reward_std", "loss", "grad_norm")
-"""The reward and loss curves: one row per step, these columns."""
 
-
-def curve_rows(history: list[StepMetrics]) -> list[dict]:
-    """Reward and loss per step, floats to 4 significant digits (a table the UI shows as is)."""
-    return rounded_rows([m.model_dump(mode="json", include=set(CURVE_COLUMNS)) for m in history])
-
-
-def reward_curve_markdown(history: list[StepMetrics]) -> str:
-    """The reward and loss curves as a markdown table, 4 significant digits."""
-    lines = [
-        "# Reward and loss per step",
-        "",
-        "| step | version | reward mean | reward std | loss | grad norm |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        "| "
-        + " | ".join(
-            f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in CURVE_COLUMNS
-        )
-        + " |"
-        for row in curve_rows(history)
-    ]
-    return "\n".join(lines)
-
-
-def run_config(config: dict[str, Any] | None, config_file: str | None) -> RunConfig:
+def run_config(
+    config: RunConfigOverrides | dict[str, Any] | None,
+    config_file: str | None,
+    deployment_config: RunConfigOverrides | dict[str, Any] | None = None,
+) -> RunConfig:
     """The run's config: `config_file` (a path or URI) with `config` merged onto it as overrides,
-    or `config` alone (every unset field at its default)."""
+    or `config` alone (every unset field at its default). `deployment_config`: the `config` of
+    the deployment the run was created from, under the run's own (Prefect replaces a parameter
+    whole; the run's `config` is merged onto the deployment's key by key instead)."""
+    overrides = merged(as_overrides(deployment_config), as_overrides(config))
     if config_file is not None:
-        return read_run_config(config_file, config or {})
-    return validated_run_config(config or {}, "flow parameter `config`")
+        return read_run_config(config_file, overrides)
+    return validated_run_config(overrides, "flow parameter `config`")
+
+
+def deployment_config() -> dict[str, Any] | None:
+    """The `config` parameter of the deployment this flow run was created from (None when it
+    was called directly)."""
+    from prefect import get_client
+    from prefect.runtime import deployment
+
+    if deployment.id is None:
+        return None
+    # Read the deployment itself: `prefect.runtime.deployment.parameters` are the flow run's.
+    with get_client(sync_client=True) as client:
+        return (client.read_deployment(deployment.id).parameters or {}).get("config")
 
 
 def refuse_restart(config: RunConfig, resume: bool) -> None:
@@ -73,30 +66,34 @@ def train_run_name() -> str:
     from prefect.runtime import flow_run
 
     parameters = flow_run.parameters
-    config = parameters.get("config") or {}
-    run_id = config.get("run_id") if isinstance(config, dict) else None
+    config = merged(as_overrides(deployment_config()), as_overrides(parameters.get("config")))
+    run_id = config.get("run_id")
     name = run_id or Path(parameters.get("config_file") or "longstraw-train").stem
     return f"{name} resumed" if parameters.get("resume") else name
 
 
 @flow(name="longstraw-train", flow_run_name=train_run_name)
 def train(
-    config: dict[str, Any] | None = None, resume: bool = False, config_file: str | None = None
+    config: RunConfigOverrides | None = None,
+    resume: bool = False,
+    config_file: str | None = None,
 ) -> list[StepMetrics]:
     """Run `num_steps` GRPO steps (continuing after the latest checkpoint with `resume`).
 
     `config_file` names a YAML run config (a path or URI: in the image, on a volume, in S3);
     `config` holds overrides merged onto it section by section (`{"run_id": "x"}` changes the
-    run id and nothing else), or the whole config when there is no file.
+    run id and nothing else), or the whole config when there is no file. A run of a deployment
+    merges its `config` onto the deployment's the same way.
     """
     logger = get_run_logger()
-    config = run_config(config, config_file)
+    config = run_config(config, config_file, deployment_config())
     preflight(config, resume)
     with run_lease(config):
         refuse_restart(config, resume)
         start_stage_group(config.parallel)
         policy = open_run(config, resume)
         truncate_metrics(config.storage, config.run_id, policy.step)
+        tag_flow_run(config, policy.step if resume else None)
         if policy.step:
             logger.info(
                 "resuming run %s at step %d (policy version %d)",
@@ -105,19 +102,30 @@ def train(
                 policy.policy_version,
             )
         history = []
-        while policy.step < config.train.num_steps:
-            policy, metrics = grpo_step(config, policy)
-            history.append(metrics)
-            after_step(config, metrics)
-    if history:
-        key = artifact_key(config.run_id)
-        create_table_artifact(
-            rounded_rows([m.model_dump(mode="json", exclude={"seconds"}) for m in history]),
-            key=f"{key}-metrics",
-            description="per-step GRPO metrics (4 significant digits)",
-        )
-        create_table_artifact(
-            curve_rows(history), key=f"{key}-curves", description="reward and loss per step"
-        )
-        create_markdown_artifact(reward_curve_markdown(history), key=f"{key}-reward-curve")
+        try:
+            while policy.step < config.train.num_steps:
+                with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
+                    policy, metrics = grpo_step(config, policy)
+                history.append(metrics)
+                publish_run_curves(config)
+        finally:
+            # Whatever this flow run did, its curves hold every recorded step of the run: the
+            # resumed parts, and the steps before a failure.
+            publish_run_curves(config)
     return history
+
+
+def tag_flow_run(config: RunConfig, resumed_at_step: int | None) -> None:
+    """Tag this flow run `run:<id>` (the run id comes from its config, after the flow started)
+    and a resume `resumed-at:step-N`: every flow run of a training run is found by that tag."""
+    from prefect import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.id is None:
+        return
+    new = set(run_tags(config.run_id))
+    if resumed_at_step is not None:
+        new.add(f"resumed-at:step-{resumed_at_step}")
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run.id)
+        client.update_flow_run(flow_run.id, tags=sorted(set(current.tags) | new))

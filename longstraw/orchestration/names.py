@@ -42,8 +42,12 @@ def _prefill_prompt(p: Parameters) -> str:
 
 
 def _backward(p: Parameters) -> str:
+    # The prompt's run-wide index, as prefill and rollout name it (`group` is the position in
+    # the step's plan).
     iteration = p.get("iteration", 0)
-    return f"backward group {p['group']}" + (f" iteration {iteration}" if iteration else "")
+    return f"backward group {p['rollout'].prompt.index}" + (
+        f" iteration {iteration}" if iteration else ""
+    )
 
 
 TASK_RUN_NAMES: dict[str, Callable[..., str]] = {
@@ -105,9 +109,21 @@ def task_tags(task_name: str) -> set[str]:
     return tags
 
 
+def run_tags(run_id: str) -> tuple[str, ...]:
+    """Tags of every flow run of a training run (the train flow, its step subflows): filter the
+    Runs list by `run:<id>` to see a run, its failures and its resumes."""
+    return (f"run:{run_id}",)
+
+
 def step_tags(run_id: str, step: int, policy_version: int) -> tuple[str, ...]:
-    """Tags every task of one step carries: which run, which step, which policy version."""
-    return (f"run:{run_id}", f"step:{step}", f"policy:v{policy_version}")
+    """Tags one step's subflow and every task of it carries: which run, which step, which policy
+    version."""
+    return (*run_tags(run_id), f"step:{step}", f"policy:v{policy_version}")
+
+
+def step_flow_run_name(run_id: str, step: int) -> str:
+    """The step subflow's name: `<run_id>/step-0007` (steps sort in order, runs apart)."""
+    return f"{run_id}/step-{step:04d}"
 
 
 def round_significant(value: float, digits: int = 4) -> float:
@@ -121,3 +137,9 @@ def rounded_rows(rows: Iterable[dict[str, Any]], digits: int = 4) -> list[dict[s
         {k: round_significant(v, digits) if isinstance(v, float) else v for k, v in row.items()}
         for row in rows
     ]
+
+
+def artifact_key(run_id: str) -> str:
+    """A run's artifact key prefix: Prefect artifact keys allow lowercase letters, digits and
+    dashes only."""
+    return "".join(c if c.isalnum() else "-" for c in run_id.lower())

@@ -148,6 +148,13 @@ class TrainConfig(_Section):
     """Prompts (GRPO groups) whose gradients are summed into one optimizer step."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Write a Hugging Face checkpoint every this many steps (and always after the last)."""
+    save_total_limit: int | None = Field(default=None, ge=1)
+    """Keep only the latest this many checkpoints of the run (transformers' name), and the
+    optimizer state only in the latest one (what a resume starts from). None: keep every
+    checkpoint with its optimizer state."""
+    keep_best_checkpoint: bool = False
+    """With `save_total_limit`: also keep the checkpoint whose policy had the highest mean
+    reward over the recorded steps (its weights only)."""
     seed: int = Field(default=42, ge=0)
     """Seed of sampling and data order: each group samples from a generator seeded by (seed,
     step, prompt), so a resumed run or another process draws the same responses."""

@@ -80,6 +80,31 @@ def save_optimizer_part(tmp: Path, tensors: dict[str, torch.Tensor], rank: int, 
     save_file(tensors, str(tmp / name))
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets it process-wide, racing
+    with threads that create files meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_per_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode a newly created file gets (0666 & ~umask).
+
+    safetensors writes its files 0600 whatever the umask, so weights and optimizer state on a
+    shared volume would be unreadable to the team's other users."""
+    mode = 0o666 & ~process_umask()
+    for file in folder.rglob("*"):
+        if file.is_file():
+            file.chmod(mode)
+
+
 def commit_checkpoint(
     tmp: Path,
     final: Path,
@@ -98,6 +123,7 @@ def commit_checkpoint(
         tokenizer.save_pretrained(str(tmp))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         write_checkpoint_metadata(tmp, policy_version=policy_version)
+        share_per_umask(tmp)
         os.rename(tmp, final)
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -150,14 +176,7 @@ def checkpoint_ref(path: Path) -> CheckpointRef:
 
 def latest_checkpoint(storage: StorageConfig, run_id: str) -> Path | None:
     """The committed checkpoint with the highest policy version, or None."""
-    folder = checkpoints_dir(storage, run_id)
-    if not folder.exists():
-        return None
-    done = sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_dir() and p.name.startswith("v") and ".tmp-" not in p.name
-    )
+    done = committed_checkpoints(storage, run_id)
     return done[-1] if done else None
 
 
@@ -218,3 +237,44 @@ def _optimizer_rows(handles, rows) -> dict[str, torch.Tensor]:
             pieces = [handles[0].get_slice(key)[0:0]]
         out[key] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return out
+
+
+def committed_checkpoints(storage: StorageConfig, run_id: str) -> list[Path]:
+    """The run's committed checkpoints, oldest (lowest policy version) first."""
+    folder = checkpoints_dir(storage, run_id)
+    if not folder.exists():
+        return []
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith("v") and ".tmp-" not in p.name
+    )
+
+
+def policy_version_of(path: Path) -> int:
+    return int(path.name.removeprefix("v"))
+
+
+def retain_checkpoints(
+    storage: StorageConfig, run_id: str, *, keep_latest: int, also_keep: frozenset[int]
+) -> list[Path]:
+    """Delete the run's committed checkpoints but the latest `keep_latest` and the versions in
+    `also_keep`, and the optimizer state of every kept one but the latest (a resume starts from
+    the latest; the others stay loadable by `from_pretrained`). Returns the deleted folders.
+
+    A folder is renamed to a `.tmp-` name before it is deleted, so a crash midway leaves nothing
+    that `latest_checkpoint` reads as committed."""
+    found = committed_checkpoints(storage, run_id)
+    kept = found[-keep_latest:]
+    removed = []
+    for path in found:
+        if path in kept or policy_version_of(path) in also_keep:
+            if path != found[-1]:
+                for part in [path / OPTIMIZER_FILE, *path.glob("optimizer-rank*-of-*.safetensors")]:
+                    part.unlink(missing_ok=True)
+            continue
+        doomed = path.with_name(f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    return removed

@@ -16,7 +16,7 @@ from longstraw.training.metrics import plot_rewards, read_metrics, truncate_metr
 from longstraw.training.run_lease import run_lease
 
 __all__ = ["TrainOutcome", "after_step", "read_metrics", "train"]
-from longstraw.training.stages import is_checkpoint_step, open_run
+from longstraw.training.stages import open_run
 from longstraw.training.step import IN_PROCESS, Stages, run_step
 
 
@@ -50,10 +50,9 @@ class TrainOutcome:
 
 
 def after_step(config: RunConfig, metrics: StepMetrics) -> None:
-    """After a checkpointed step, redraw the reward plot from the recorded rows."""
-    if is_checkpoint_step(config, metrics.step + 1):
-        path = run_dir(config.storage, config.run_id)
-        plot_rewards(path, read_metrics(path))
+    """After every step, redraw the reward plot from the recorded rows (the whole run's)."""
+    path = run_dir(config.storage, config.run_id)
+    plot_rewards(path, read_metrics(path))
 
 
 def train(

@@ -54,6 +54,8 @@ from longstraw.storage.checkpoints import (
     checkpoint_ref,
     commit_checkpoint,
     new_checkpoint_dir,
+    retain_checkpoints,
+    run_dir,
     save_optimizer_part,
     save_training_checkpoint,
 )
@@ -61,7 +63,7 @@ from longstraw.training import held
 from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
-from longstraw.training.metrics import write_step_metrics
+from longstraw.training.metrics import read_metrics, write_step_metrics
 from longstraw.training.streamed_state import budgeted_state
 
 
@@ -542,6 +544,15 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
 
 
 @on_all_ranks
+def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
+    """{the policy version with the highest recorded mean reward} under
+    `train.keep_best_checkpoint` (a step's rollouts measure the version it started from)."""
+    if not config.train.keep_best_checkpoint:
+        return frozenset()
+    rows = read_metrics(run_dir(config.storage, config.run_id))
+    return frozenset({max(rows, key=lambda m: m.reward_mean).policy_version} if rows else ())
+
+
 def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
     """Commit a Hugging Face checkpoint of the policy with its optimizer state; the returned ref
     starts from it (and the gradient files it covers are removed)."""
@@ -568,6 +579,13 @@ def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
         ref = None
     if is_writer():
         artifacts.remove_step_gradients(config.storage, config.run_id, before_step=policy.step)
+        if config.train.save_total_limit is not None:
+            retain_checkpoints(
+                config.storage,
+                config.run_id,
+                keep_latest=config.train.save_total_limit,
+                also_keep=best_rewarded_versions(config),
+            )
     group = active_group()
     if group is not None:
         shared = [ref]

@@ -31,6 +31,8 @@ REWARD_SPEC = "flow_helpers:text_checksum_reward"
 
 _REWARD_CALLS = itertools.count()
 """Reward calls made in this process while a delay is set (rewards run on rank 0 only)."""
+_CALLS_BEFORE_FAILURE = itertools.count()
+"""Reward calls made in this process while a failure is armed."""
 
 
 def text_checksum_reward(prompt: str, response: str, metadata: dict) -> float:
@@ -41,8 +43,12 @@ def text_checksum_reward(prompt: str, response: str, metadata: dict) -> float:
     `LONGSTRAW_TEST_REWARD_DELAY_S` makes each call slow without changing its value: the crash
     test uses it to hold a step open, after its prompt state is committed, long enough to kill it.
     `LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS` (default 0) leaves the process's first calls (the
-    steps before the one the test holds open) undelayed.
+    steps before the one the test holds open) undelayed. `LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS`
+    makes every call after that many fail (a run that fails mid-way).
     """
+    fail_after = os.environ.get("LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS")
+    if fail_after is not None and next(_CALLS_BEFORE_FAILURE) >= int(fail_after):
+        raise RuntimeError("the test's reward fails here (LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS)")
     delay = float(os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_S", "0"))
     if delay and next(_REWARD_CALLS) >= int(
         os.environ.get("LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS", "0")
@@ -140,6 +146,15 @@ def artifacts_of(flow_run_id) -> list:
                 flow_run_id=ArtifactFilterFlowRunId(any_=flow_run_ids(flow_run_id))
             )
         )
+
+
+def latest_artifacts(flow_run_id) -> dict:
+    """Key -> the newest version of each keyed artifact of the flow run (what the UI shows)."""
+    newest: dict = {}
+    for artifact in sorted(artifacts_of(flow_run_id), key=lambda a: a.created):
+        if artifact.key:
+            newest[artifact.key] = artifact
+    return newest
 
 
 def state_names(task_runs, task_name: str) -> list[str]:

@@ -5,6 +5,7 @@ Everything started here is stopped here (server and worker run in their own proc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -129,12 +130,14 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(
 
         started = time.monotonic()
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            # An override that names only some of `train`'s fields: `groups_per_step` and
+            # `checkpoint_every` must come from the deployment's config (prefect.yaml: 1 group),
+            # not from RunConfig's defaults (2 groups), as Prefect's top-level merge would give.
+            overrides = tiny_run_dict(runs_root, RUN_ID, num_steps=1)
+            overrides["train"] = {"num_steps": 1}
             flow_run = run_deployment(
                 "longstraw-train/local",
-                parameters={
-                    "config": tiny_run_dict(runs_root, RUN_ID, num_steps=1),
-                    "resume": False,
-                },
+                parameters={"config": overrides, "resume": False},
                 timeout=300,
             )
             seconds["run"] = time.monotonic() - started
@@ -162,7 +165,30 @@ def test_deployment_on_a_real_server_runs_through_a_process_worker(
         assert deployment.global_concurrency_limit is not None
         assert deployment.global_concurrency_limit.limit == 1
         assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
-        assert [r.name for r in step_runs] == ["step-0000"]
+        assert [r.name for r in step_runs] == [f"{RUN_ID}/step-0000"]
+        # The run's config: the override's fields, the deployment's for the rest of `train`.
+        trainer_state = json.loads(
+            (
+                runs_root / "runs" / RUN_ID / "checkpoints" / "v000001" / "trainer_state.json"
+            ).read_text()
+        )
+        assert trainer_state["config"]["train"]["num_steps"] == 1
+        assert trainer_state["config"]["train"]["groups_per_step"] == 1
+        assert trainer_state["config"]["run_id"] == RUN_ID
+        # The parameter schema the UI's Custom-run form is drawn from lists the config's fields.
+        schema = deployment.parameter_openapi_schema
+        assert schema["properties"]["config"]["anyOf"][0]["$ref"].endswith("/RunConfigOverrides")
+        train_fields = schema["definitions"]["TrainConfigOverrides"]["properties"]
+        assert {"num_steps", "groups_per_step", "checkpoint_every", "seed"} <= set(train_fields)
+        assert (
+            train_fields["num_steps"]["description"] == "Optimizer steps (policy versions) to run."
+        )
+        # A misspelt key is refused when the run is created, before any worker picks it up.
+        with (
+            temporary_settings(updates={PREFECT_API_URL: api_url}),
+            pytest.raises(Exception, match="trian"),
+        ):
+            run_deployment("longstraw-train/local", parameters={"config": {"trian": {}}}, timeout=0)
         assert "checkpoint v1" in [r.name for r in runs]
     finally:
         if worker is not None:

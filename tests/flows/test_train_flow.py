@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 from flow_helpers import (
+    NUM_GENERATIONS,
     NUM_SHARDS,
-    artifacts_of,
     final_weights_digest,
     flow_run_ids,
+    latest_artifacts,
     logs_of,
     state_names,
     task_runs_of,
@@ -42,7 +43,7 @@ def test_train_flow_matches_in_process_loop(prefect_harness, runs_root, in_proce
     # Both paths are deterministic on CPU and draw the same samples: bitwise the same weights.
     assert final_weights_digest(config) == in_process_digest
 
-    artifacts = {a.key: a for a in artifacts_of(flow_run_id) if a.key}
+    artifacts = latest_artifacts(flow_run_id)
     assert {"flow-uninterrupted-metrics", "flow-uninterrupted-reward-curve"} <= set(artifacts)
     # The curves: one row per step, every float at most 4 significant digits, as recorded.
     curves = json.loads(artifacts["flow-uninterrupted-curves"].data)
@@ -62,14 +63,27 @@ def test_train_flow_matches_in_process_loop(prefect_harness, runs_root, in_proce
 def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
     """What the UI shows for the run: step flow runs, named and tagged task runs, its logs."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterTags,
+    )
 
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(flow_run_id).name == run_id
         subflows = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_run_ids(flow_run_id)[1:]))
         )
-    assert sorted(r.name for r in subflows) == ["step-0000", "step-0001"]
+        # The Runs list filtered by `run:<id>`: the train flow run and its steps, nothing else.
+        tagged = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_id}"]))
+        )
+    # Step subflows carry the run id in their names and the run and step in their tags.
+    assert sorted(r.name for r in subflows) == [f"{run_id}/step-0000", f"{run_id}/step-0001"]
+    for r in subflows:
+        step = int(r.name.rsplit("-", 1)[1])
+        assert {f"run:{run_id}", f"step:{step}", f"policy:v{step}"} <= set(r.tags), r.tags
+    assert sorted(r.id for r in tagged) == sorted([flow_run_id, *(r.id for r in subflows)])
 
     runs = task_runs_of(flow_run_id)
     names = [r.name for r in runs]
@@ -78,10 +92,14 @@ def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
     assert [n.split(" group")[0] for n in shard_names[:NUM_SHARDS]] == [
         f"prefill s{i}/{NUM_SHARDS}" for i in range(NUM_SHARDS)
     ]
-    for expected in ("rollout group 0", "backward group 0", "checkpoint v1", "checkpoint v2"):
+    # One group per step, numbered run-wide by its prompt: the same number in every stage.
+    for step in (0, 1):
+        for stage in ("prefill s0/3 group", "rollout group", "backward group"):
+            assert any(n.startswith(f"{stage} {step}") for n in names), (stage, step, names)
+    for expected in ("checkpoint v1", "checkpoint v2"):
         assert expected in names, (expected, names)
     # Tags: the run, the stage, the policy version the step ran at (and `gpu` on model tasks).
-    backward = [set(r.tags) for r in runs if r.name == "backward group 0"]
+    backward = [set(r.tags) for r in runs if r.name.startswith("backward group ")]
     assert len(backward) == 2, names
     for step, tags in enumerate(backward):
         assert {f"run:{run_id}", "stage:backward", f"step:{step}", f"policy:v{step}", "gpu"} <= tags
@@ -149,3 +167,54 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     cached = [m for m in (log.message for log in logs_of(flow_run_id)) if "cache key" in m]
     assert len(cached) == NUM_SHARDS and all(m.startswith("Cached: ") for m in cached), cached
     assert final_weights_digest(config) == in_process_digest
+
+
+def test_curves_cover_a_failed_run_and_its_resume_which_the_run_tag_links(
+    prefect_harness, runs_root, monkeypatch
+):
+    import base64
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from longstraw.flows.train import train
+
+    config = tiny_run_config(runs_root, "flow-failed", num_steps=2)
+    # Step 0 scores its G responses; step 1's first reward call fails.
+    monkeypatch.setenv("LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS", str(NUM_GENERATIONS))
+    failed = train(config.model_dump(mode="json"), return_state=True)
+    assert failed.is_failed(), failed
+    curves = latest_artifacts(failed.state_details.flow_run_id)
+    # The step that finished before the failure is in the UI's curves and plot.
+    assert [row["step"] for row in json.loads(curves["flow-failed-curves"].data)] == [0]
+    png = curves["flow-failed-reward-plot"].data
+    assert png.startswith("data:image/png;base64,")
+    assert base64.b64decode(png.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+    monkeypatch.delenv("LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS")
+    resumed, resumed_id = _train(config, resume=True)
+    assert [m.step for m in resumed] == [1]
+    curves = latest_artifacts(resumed_id)
+    rows = json.loads(curves["flow-failed-curves"].data)
+    # The resumed flow run's curves are the whole run's: step 0 (before the failure) included.
+    assert [row["step"] for row in rows] == [0, 1]
+    assert rows[1]["reward_mean"] == float(f"{resumed[0].reward_mean:.4g}")
+    assert [r["step"] for r in json.loads(curves["flow-failed-metrics"].data)] == [0, 1]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:flow-failed"])),
+            sort=FlowRunSort.START_TIME_ASC,
+        )
+    trains = [r for r in runs if "/step-" not in r.name]
+    assert [(r.name, r.state.type.value) for r in trains] == [
+        ("flow-failed", "FAILED"),
+        ("flow-failed resumed", "COMPLETED"),
+    ]
+    assert "resumed-at:step-1" in trains[1].tags
+    steps = sorted((r.name, r.state.type.value) for r in runs if "/step-" in r.name)
+    assert steps == [
+        ("flow-failed/step-0000", "COMPLETED"),
+        ("flow-failed/step-0001", "COMPLETED"),
+        ("flow-failed/step-0001", "FAILED"),
+    ]

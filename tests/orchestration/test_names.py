@@ -10,6 +10,7 @@ from longstraw.orchestration.names import (
     TASK_RUN_NAMES,
     round_significant,
     rounded_rows,
+    step_flow_run_name,
     step_tags,
     task_tags,
 )
@@ -36,11 +37,16 @@ def test_names_say_shard_group_and_version():
     assert _name("prefill_prompt", prompt=PROMPT) == "prefill group 1 (32 shards) 3f9a2b7c41d0"
     assert _name("rollout_group", prompt=PROMPT) == "rollout group 1"
     assert _name("score_group", rollout=rollout, which="reference") == "score reference group 1"
-    assert _name("backward_group", group=1) == "backward group 1"
-    assert _name("backward_group", group=1, iteration=2) == "backward group 1 iteration 2"
+    # The prompt's run-wide index, as prefill and rollout say it, not the position in the step.
+    assert _name("backward_group", rollout=rollout, group=0) == "backward group 1"
+    assert (
+        _name("backward_group", rollout=rollout, group=0, iteration=2)
+        == "backward group 1 iteration 2"
+    )
     assert _name("apply_update", policy=POLICY) == "update v8 to v9"
     assert _name("write_checkpoint", policy=POLICY) == "checkpoint v8"
     assert step_tags("r1", 7, 8) == ("run:r1", "step:7", "policy:v8")
+    assert step_flow_run_name("r1", 7) == "r1/step-0007"
     assert task_tags("backward_group") == {"stage:backward", "gpu"}
     assert task_tags("write_checkpoint") == {"stage:checkpoint"}
 
