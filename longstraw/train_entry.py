@@ -285,7 +285,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
         events.add_listener(listen)
         try:
             if use_prefect:
+                from longstraw.flows.embedded_server import use_owned_ephemeral_server
                 from longstraw.flows.train import train as train_flow
+
+                use_owned_ephemeral_server()  # survives the group's signal, dies with this one
 
                 console.print(
                     "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"

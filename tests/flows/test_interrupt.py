@@ -78,3 +78,52 @@ def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
     assert len(resume_lines) == 1, output[-3000:]
     assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
     assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
+
+
+def test_sigterm_to_the_process_group_stops_train_as_promptly(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """What a terminal's Ctrl-C, systemd, Slurm or Kubernetes deliver: the signal to the whole
+    group. The embedded Prefect server has a session of its own, so it outlives the signal long
+    enough for the run to report its crash, then goes with the run."""
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "group-term", num_steps=3)
+    first_checkpoint = runs_root / "runs" / "group-term" / "checkpoints" / "v000001"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
+        cwd=tmp_path,
+        env=_env(fresh_prefect_home(tmp_path / "prefect")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group, as a shell job or a service has
+    )
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not first_checkpoint.is_dir():
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the first step never finished"
+            time.sleep(0.1)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "expected the embedded Prefect server as a child process"
+        sent = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for child in children:  # the server is in another session: not reached by killpg
+            if child.is_running():
+                child.kill()
+    print(f"group SIGTERM to exit: {took:.1f} s")
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    time.sleep(1.0)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
+    assert len(output.splitlines()) < 60, output[-3000:]
