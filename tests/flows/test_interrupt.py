@@ -3,7 +3,10 @@ behind (the ephemeral Prefect server), and prints one line naming `--resume`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,3 +130,62 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
     assert len(resume_lines) == 1, output[-3000:]
     assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
     assert len(output.splitlines()) < 60, output[-3000:]
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)"
+)
+def test_ctrl_c_in_a_terminal_stops_train_with_the_resume_line(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """Ctrl-C typed into a terminal (tmux send-keys C-c): SIGINT to the foreground group."""
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "ctrl-c", num_steps=3)
+    first_checkpoint = runs_root / "runs" / "ctrl-c" / "checkpoints" / "v000001"
+    log, rc = tmp_path / "out.log", tmp_path / "rc"
+    command = (
+        f"{shlex.quote(sys.executable)} -m longstraw.cli train --config {config_path} "
+        f"> {log} 2>&1; echo $? > {rc}"
+    )
+    tmux = ["tmux", "-L", f"longstraw-test-{os.getpid()}"]  # a private tmux server: our env
+    env = _env(fresh_prefect_home(tmp_path / "prefect"))
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "train", "-c", str(tmp_path), command],
+        env=env,
+        check=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not first_checkpoint.is_dir():
+            assert not rc.exists(), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first step never finished"
+            time.sleep(0.1)
+        pane = subprocess.run(
+            [*tmux, "list-panes", "-t", "train", "-F", "#{pane_pid}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        children = psutil.Process(int(pane.stdout.split()[0])).children(recursive=True)
+        sent = time.monotonic()
+        subprocess.run([*tmux, "send-keys", "-t", "train", "C-c"], check=True)
+        while not rc.exists() and time.monotonic() - sent < 60:
+            time.sleep(0.1)
+        took = time.monotonic() - sent
+        time.sleep(1.0)  # the server's parent watch polls every second
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    output = log.read_text()
+    print(f"Ctrl-C to exit: {took:.1f} s")
+    assert rc.exists(), f"still running 60 s after Ctrl-C\n{output[-3000:]}"
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert rc.read_text().strip() == str(128 + signal.SIGINT), output[-3000:]
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert "interrupted by SIGINT" in resume_lines[0]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
