@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from longstraw.errors import UserError
-from longstraw.schemas.run import RunConfig, load_run_config
+from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 
 console = Console()
@@ -69,17 +69,23 @@ def resolve_config(
     overrides: dict = {}
     if run_id is not None:
         overrides["run_id"] = run_id
-    config = load_run_config(config_path, **overrides) if config_path else RunConfig(**overrides)
+    config = (
+        load_run_config(config_path, **overrides)
+        if config_path
+        else validated_run_config(overrides, "command-line options")
+    )
     updates: dict = {}
+    # Dumped and validated again below (model_copy does not validate): `--steps 0` is refused.
     if steps is not None:
-        updates["train"] = config.train.model_copy(update={"num_steps": steps})
+        updates["train"] = {**config.train.model_dump(), "num_steps": steps}
     if root is not None:
-        updates["storage"] = config.storage.model_copy(update={"root_uri": root})
+        updates["storage"] = {**config.storage.model_dump(), "root_uri": root}
     if world_size is not None:
-        updates["parallel"] = config.parallel.model_copy(update={"world_size": world_size})
+        updates["parallel"] = {**config.parallel.model_dump(), "world_size": world_size}
     if updates:
-        config = RunConfig.model_validate(
-            config.model_dump() | {k: v.model_dump() for k, v in updates.items()}
+        config = validated_run_config(
+            config.model_dump() | updates,
+            "command-line options",
         )
     exists = latest_checkpoint(config.storage, config.run_id) is not None
     if exists and not resume:
@@ -290,7 +296,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
         events.add_listener(listen)
         try:
             if use_prefect:
+                from longstraw.flows.embedded_server import use_owned_ephemeral_server
                 from longstraw.flows.train import train as train_flow
+
+                use_owned_ephemeral_server()  # survives the group's signal, dies with this one
 
                 console.print(
                     "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"

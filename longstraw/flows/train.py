@@ -18,7 +18,7 @@ from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
-from longstraw.training.metrics import truncate_metrics
+from longstraw.training.metrics import settle_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
 
@@ -92,7 +92,7 @@ def train(
         refuse_restart(config, resume)
         start_stage_group(config.parallel)
         policy = open_run(config, resume)
-        truncate_metrics(config.storage, config.run_id, policy.step)
+        settle_metrics(config.storage, policy)
         tag_flow_run(config, policy.step if resume else None)
         if policy.step:
             logger.info(

@@ -4,6 +4,9 @@ A prompt state is only valid for the weights it was computed with, so every chec
 weights digest: the sha256 over its safetensors files, computed once when the checkpoint is
 written and stored in `longstraw.json` (nothing re-hashes weights per step). A user's checkpoint
 without that file gets it computed once on first load.
+
+The same pass records every file's size and sha256 (`files`), so a reader can tell a damaged or
+truncated checkpoint from a good one (`verify_checkpoint_files`) instead of training on it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,31 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from longstraw.errors import UserError
+
 METADATA_FILE = "longstraw.json"
 _HASH_BLOCK = 1 << 22  # 4 MiB reads keep hashing a multi-GB checkpoint at disk speed
+
+
+class FileRecord(BaseModel):
+    """Size and sha256 of one file of a checkpoint, recorded when it was written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: int = Field(ge=0)
+    sha256: str
+
+
+class CheckpointDamagedError(UserError):
+    """A checkpoint file is missing, truncated or altered since the checkpoint was written."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"checkpoint file {path} {detail} — restore it, or continue the run with --resume "
+            "(which falls back to the newest checkpoint that verifies)"
+        )
 
 
 class CheckpointMetadata(BaseModel):
@@ -30,32 +56,86 @@ class CheckpointMetadata(BaseModel):
     """sha256 (hex) over the checkpoint's safetensors files, in sorted file-name order."""
     policy_version: int = Field(ge=0)
     """GRPO policy version: 0 for the initial checkpoint, +1 per optimizer step."""
+    files: dict[str, FileRecord] | None = None
+    """Every file of the directory but this record, by name (None: written before files were
+    recorded; such a checkpoint is not verified)."""
 
 
 def weights_digest_of(path: str | Path) -> str:
     """sha256 over every `*.safetensors` file in `path` (names and bytes, sorted by name)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+    return _hash_checkpoint(Path(path), record_files=False)[0]
+
+
+def _hash_checkpoint(path: Path, *, record_files: bool) -> tuple[str, dict[str, FileRecord]]:
+    """(weights digest, per-file records) in one read of each file."""
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
         raise ValueError(
             f"no *.safetensors files in {path}: LongStraw loads safetensors checkpoints only"
         )
+    others = (
+        sorted(f for f in path.iterdir() if f.is_file() and f.suffix != ".safetensors")
+        if record_files
+        else []
+    )
     digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
+    records: dict[str, FileRecord] = {}
+    for file in weights + others:
+        if file.name.startswith(METADATA_FILE):
+            continue  # the record itself (and its temporary file)
+        is_weights = file.suffix == ".safetensors"
+        if is_weights:
+            digest.update(file.name.encode())
+        own, size = hashlib.sha256(), 0
         with open(file, "rb") as handle:
             while block := handle.read(_HASH_BLOCK):
-                digest.update(block)
-    return digest.hexdigest()
+                size += len(block)
+                if is_weights:
+                    digest.update(block)
+                if record_files:
+                    own.update(block)
+        if record_files:
+            records[file.name] = FileRecord(size=size, sha256=own.hexdigest())
+    return digest.hexdigest(), records
+
+
+def checkpoint_metadata_of(path: str | Path, *, policy_version: int) -> CheckpointMetadata:
+    """Hash the checkpoint in `path`: weights digest and every file's size and sha256."""
+    digest, files = _hash_checkpoint(Path(path), record_files=True)
+    return CheckpointMetadata(weights_digest=digest, policy_version=policy_version, files=files)
 
 
 def write_checkpoint_metadata(path: str | Path, *, policy_version: int) -> CheckpointMetadata:
-    """Hash the weights in `path` once and record digest + version in `longstraw.json` (atomic)."""
-    meta = CheckpointMetadata(weights_digest=weights_digest_of(path), policy_version=policy_version)
+    """Hash the checkpoint in `path` once and record it in its `longstraw.json` (atomic)."""
+    meta = checkpoint_metadata_of(path, policy_version=policy_version)
     target = Path(path) / METADATA_FILE
     tmp = target.with_suffix(".json.tmp")
     tmp.write_text(meta.model_dump_json(indent=2))
     os.replace(tmp, target)
     return meta
+
+
+def verify_checkpoint_files(path: str | Path, meta: CheckpointMetadata) -> None:
+    """Raise CheckpointDamagedError naming the first file of `path` that is missing, has another
+    size (truncated) or another sha256 than `meta` recorded. Reads every recorded file once."""
+    path = Path(path)
+    for name, record in sorted((meta.files or {}).items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointDamagedError(file, "is missing")
+        size = file.stat().st_size
+        if size != record.size:
+            raise CheckpointDamagedError(
+                file, f"has {size} bytes, {record.size} were written (truncated or replaced)"
+            )
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            while block := handle.read(_HASH_BLOCK):
+                digest.update(block)
+        if digest.hexdigest() != record.sha256:
+            raise CheckpointDamagedError(
+                file, f"has sha256 {digest.hexdigest()[:12]}…, {record.sha256[:12]}… was written"
+            )
 
 
 def read_checkpoint_metadata(path: str | Path) -> CheckpointMetadata:

@@ -268,9 +268,15 @@ def merged(base: dict, overrides: dict) -> dict:
 def parse_run_config(text: str, source: str, overrides: dict | None = None) -> RunConfig:
     """A RunConfig from YAML `text` (named `source` in errors) with `overrides` merged in."""
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source} is not valid YAML: {error}") from error
+    if raw is None:
+        # An empty file is a mistake (a truncated copy, the wrong path), not a request for the demo.
+        raise ConfigError(
+            f"{source} is empty — write the run's settings in it (docs/config.md), or leave out "
+            "--config to run the embedded demo"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{source} must hold a mapping of sections (model:, grpo:, ...), got {type(raw).__name__}"

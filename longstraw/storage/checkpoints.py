@@ -12,6 +12,10 @@ either form, so a run resumes on any number of ranks. A checkpoint is written in
 the rename is the commit, so a crash mid-write leaves no readable half checkpoint, and a retried
 write of the same version keeps the first complete one.
 
+`longstraw.json` records every file's size and sha256; `valid_checkpoint` checks them before a run
+resumes from a checkpoint, and `latest_valid_checkpoint` moves a damaged one aside
+(`v000002.damaged-<id>`, kept for inspection) and falls back to the one before it.
+
 Checkpoints live on the local filesystem (the storage root when it is local, else
 `storage.local_dir`, e.g. a mounted volume); prompt states may be on S3.
 """
@@ -19,7 +23,9 @@ Checkpoints live on the local filesystem (the storage root when it is local, els
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,7 +37,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from longstraw.models.checkpoint import write_checkpoint_metadata
+from longstraw.models.checkpoint import (
+    METADATA_FILE,
+    CheckpointDamagedError,
+    CheckpointMetadata,
+    verify_checkpoint_files,
+    write_checkpoint_metadata,
+)
 from longstraw.schemas.refs import CheckpointRef
 from longstraw.schemas.storage import StorageConfig
 
@@ -40,6 +52,10 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 _OPTIMIZER_PART = re.compile(r"optimizer-rank(\d+)-of-(\d+)\.safetensors")
 # Keys of the optimizer state that are the same on every rank (not split into rows).
 _SCALAR_PREFIXES = ("step/", "meta/")
+_COMMITTED_NAME = re.compile(r"v\d{6}")
+"""A committed checkpoint's directory name (temporaries: `.tmp-<id>`, set aside: `.damaged-<id>`)."""
+
+logger = logging.getLogger("longstraw.checkpoints")
 
 
 def local_root(storage: StorageConfig) -> Path:
@@ -52,6 +68,13 @@ def local_root(storage: StorageConfig) -> Path:
 
 def run_dir(storage: StorageConfig, run_id: str) -> Path:
     return local_root(storage) / "runs" / run_id
+
+
+def run_started(storage: StorageConfig, run_id: str) -> bool:
+    """Whether the run has left anything under its directory but its lease (`RUN.lock`, which
+    the process asking holds): prompt states, metrics, checkpoints."""
+    folder = run_dir(storage, run_id)
+    return folder.is_dir() and any(p.name != "RUN.lock" for p in folder.iterdir())
 
 
 def checkpoints_dir(storage: StorageConfig, run_id: str) -> Path:
@@ -165,6 +188,32 @@ def save_training_checkpoint(
     )
 
 
+def _strip_optimizer_state(path: Path) -> None:
+    """Remove a committed checkpoint's optimizer files, and their entries from its file record
+    first (atomic rewrite), so that it still verifies, as a weights-only checkpoint."""
+    parts = [path / OPTIMIZER_FILE, *path.glob("optimizer-rank*-of-*.safetensors")]
+    parts = [part for part in parts if part.exists()]
+    if not parts:
+        return
+    record = path / METADATA_FILE
+    meta = CheckpointMetadata.model_validate_json(record.read_bytes())
+    if meta.files is not None:
+        names = {part.name for part in parts}
+        meta = meta.model_copy(
+            update={"files": {n: f for n, f in meta.files.items() if n not in names}}
+        )
+        tmp = record.with_suffix(".json.tmp")
+        tmp.write_text(meta.model_dump_json(indent=2))
+        os.replace(tmp, record)
+    for part in parts:
+        part.unlink(missing_ok=True)
+
+
+def has_optimizer_state(path: Path) -> bool:
+    """Whether a committed checkpoint can be resumed from (not weights-only)."""
+    return (path / OPTIMIZER_FILE).exists() or any(path.glob("optimizer-rank*-of-*.safetensors"))
+
+
 def checkpoint_ref(path: Path) -> CheckpointRef:
     meta = json.loads((path / "longstraw.json").read_text())
     return CheckpointRef(
@@ -174,10 +223,72 @@ def checkpoint_ref(path: Path) -> CheckpointRef:
     )
 
 
+def committed_checkpoints(storage: StorageConfig, run_id: str) -> list[Path]:
+    """The run's committed checkpoints, oldest first."""
+    folder = checkpoints_dir(storage, run_id)
+    if not folder.exists():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _COMMITTED_NAME.fullmatch(p.name))
+
+
 def latest_checkpoint(storage: StorageConfig, run_id: str) -> Path | None:
-    """The committed checkpoint with the highest policy version, or None."""
+    """The committed checkpoint with the highest policy version, or None (not verified)."""
     done = committed_checkpoints(storage, run_id)
     return done[-1] if done else None
+
+
+_verified: set[tuple] = set()
+"""(checkpoint path, its record's sha256, its files' sizes and mtimes) verified by this process:
+an unchanged checkpoint is hashed once per process."""
+
+
+def valid_checkpoint(path: Path) -> CheckpointMetadata:
+    """The checkpoint's metadata once every recorded file matches its size and sha256; raises
+    CheckpointDamagedError naming the first file that does not (or an unreadable record)."""
+    record = path / METADATA_FILE
+    try:
+        raw = record.read_bytes()
+        meta = CheckpointMetadata.model_validate_json(raw)
+    except (OSError, ValueError) as err:
+        raise CheckpointDamagedError(record, f"is unreadable ({type(err).__name__})") from err
+    # A file rewritten since it was verified (another size or mtime) is hashed again.
+    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()))
+    key = (str(path), hashlib.sha256(raw).hexdigest(), stats)
+    if key not in _verified:
+        verify_checkpoint_files(path, meta)
+        _verified.add(key)
+    return meta
+
+
+def latest_valid_checkpoint(storage: StorageConfig, run_id: str) -> Path | None:
+    """The newest committed checkpoint whose files verify, or None. Each damaged one newer than
+    it is renamed to `<name>.damaged-<id>` (so the step that made it can commit it again) and
+    named in a warning."""
+    for path in reversed(committed_checkpoints(storage, run_id)):
+        if not has_optimizer_state(path):
+            # Weights only (`train.save_total_limit` removed its optimizer state): not a resume
+            # point, and not damaged either.
+            logger.warning(
+                "warning: checkpoint %s holds weights only (its optimizer state was removed by "
+                "train.save_total_limit); it cannot be resumed from, trying the one before it",
+                path,
+            )
+            continue
+        try:
+            valid_checkpoint(path)
+            return path
+        except CheckpointDamagedError as err:
+            aside = path.with_name(f"{path.name}.damaged-{uuid.uuid4().hex[:8]}")
+            os.rename(path, aside)
+            logger.warning(
+                "warning: checkpoint %s is damaged (%s %s); set aside as %s, resuming from the one "
+                "before it",
+                path,
+                err.path.name,
+                err.detail,
+                aside.name,
+            )
+    return None
 
 
 def load_training_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -239,18 +350,6 @@ def _optimizer_rows(handles, rows) -> dict[str, torch.Tensor]:
     return out
 
 
-def committed_checkpoints(storage: StorageConfig, run_id: str) -> list[Path]:
-    """The run's committed checkpoints, oldest (lowest policy version) first."""
-    folder = checkpoints_dir(storage, run_id)
-    if not folder.exists():
-        return []
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_dir() and p.name.startswith("v") and ".tmp-" not in p.name
-    )
-
-
 def policy_version_of(path: Path) -> int:
     return int(path.name.removeprefix("v"))
 
@@ -270,8 +369,7 @@ def retain_checkpoints(
     for path in found:
         if path in kept or policy_version_of(path) in also_keep:
             if path != found[-1]:
-                for part in [path / OPTIMIZER_FILE, *path.glob("optimizer-rank*-of-*.safetensors")]:
-                    part.unlink(missing_ok=True)
+                _strip_optimizer_state(path)
             continue
         doomed = path.with_name(f"{path.name}.tmp-removed-{uuid.uuid4().hex[:8]}")
         os.rename(path, doomed)

@@ -215,6 +215,31 @@ def collect_garbage(
     return actions
 
 
+def collect_checkpoint_leftovers(
+    config: StorageConfig, *, grace_seconds: float | None = None, dry_run: bool = False
+) -> list[GcAction]:
+    """Remove the temporary checkpoint directories (`runs/*/checkpoints/v*.tmp-*` under the
+    local root) that a process killed mid-write left, once untouched for the grace period (a
+    live writer renames its own within seconds). Returns what was (or would be) removed."""
+    import shutil
+
+    from longstraw.storage.checkpoints import local_root
+
+    grace = config.uncommitted_grace_seconds if grace_seconds is None else grace_seconds
+    now = time.time()
+    actions = []
+    for tmp in sorted(local_root(config).glob("runs/*/checkpoints/v*.tmp-*")):
+        files = [f for f in tmp.rglob("*") if f.is_file()]
+        newest = max((f.stat().st_mtime for f in files), default=tmp.stat().st_mtime)
+        if now - newest < grace:
+            continue
+        nbytes = sum(f.stat().st_size for f in files)
+        actions.append(GcAction(str(tmp), "checkpoint left half-written by a killed run", nbytes))
+        if not dry_run:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return actions
+
+
 def default_locks_dir() -> Path:
     """The lock files of Prefect's shard caching: $PREFECT_HOME/longstraw-locks, or the embedded
     default's ./.longstraw/prefect/longstraw-locks."""

@@ -13,8 +13,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import StateIntegrityError, StateNotCommittedError
 from longstraw.storage.gc import (
+    collect_checkpoint_leftovers,
     collect_garbage,
     collect_stale_locks,
     default_locks_dir,
@@ -159,10 +161,13 @@ def gc_cmd(
         "./.longstraw/prefect/longstraw-locks).",
     ),
 ) -> None:
-    """Remove uncommitted attempts past the grace period, states of old policy versions, and
-    locks whose holder is gone."""
+    """Remove uncommitted attempts and half-written checkpoints (`checkpoints/v*.tmp-*`) past the
+    grace period, states of old policy versions, and locks whose holder is gone."""
     actions = collect_garbage(
         root, keep_versions=keep_versions, grace_seconds=grace_seconds, dry_run=dry_run
+    )
+    actions += collect_checkpoint_leftovers(
+        StorageConfig(root_uri=root), grace_seconds=grace_seconds, dry_run=dry_run
     )
     actions += collect_stale_locks(locks_dir or default_locks_dir(), dry_run=dry_run)
     table = Table(title=("would remove" if dry_run else "removed") + f" ({len(actions)})")

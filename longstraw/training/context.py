@@ -21,10 +21,12 @@ from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import (
     TRAINER_STATE,
     checkpoint_ref,
-    latest_checkpoint,
+    latest_valid_checkpoint,
     load_optimizer_rows,
     local_root,
     run_dir,
+    run_started,
+    valid_checkpoint,
 )
 from longstraw.training.prompts import run_prompt_source
 
@@ -122,15 +124,17 @@ def model_device(config: RunConfig) -> torch.device:
 
 
 def start_policy(config: RunConfig, *, resume: bool = False) -> PolicyRef:
-    """The ref of the run's starting weights: the latest committed checkpoint of the run with
-    `resume`, else the configured (or built) model."""
-    if resume:
-        start = latest_checkpoint(config.storage, config.run_id)
-        if start is None:
-            raise ValueError(
-                f"--resume: run {config.run_id!r} has no committed checkpoint under "
-                f"{run_dir(config.storage, config.run_id)}; start it without --resume"
-            )
+    """The ref of the run's starting weights: with `resume`, the newest committed checkpoint of
+    the run whose files verify (none yet: the run crashed before its first checkpoint, and starts
+    again from the configured model, reusing the prompt states it committed); else the
+    configured (or built) model."""
+    start = latest_valid_checkpoint(config.storage, config.run_id) if resume else None
+    if resume and start is None and not run_started(config.storage, config.run_id):
+        raise ValueError(
+            f"--resume: run {config.run_id!r} has never started under "
+            f"{run_dir(config.storage, config.run_id)}; start it without --resume"
+        )
+    if start is not None:
         step = int(json.loads((start / TRAINER_STATE).read_text())["step"])
         checkpoint = checkpoint_ref(start)
         return PolicyRef(
@@ -170,6 +174,8 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
             f"checkpoint {path} of run {config.run_id!r} does not exist; resume from the run's "
             "latest checkpoint (--resume)"
         )
+    if not policy.checkpoint_is_run_start:
+        valid_checkpoint(path)  # a damaged file of the run's checkpoint is named, never loaded
     dtype = _DTYPES[config.model.dtype]
     model, tokenizer, meta = load_checkpoint(path, dtype=dtype)
     model.to(model_device(config))

@@ -12,7 +12,7 @@ from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import run_dir
 from longstraw.training import held
 from longstraw.training.context import RunContext
-from longstraw.training.metrics import plot_rewards, read_metrics, truncate_metrics
+from longstraw.training.metrics import plot_rewards, read_metrics, settle_metrics
 from longstraw.training.run_lease import run_lease
 
 __all__ = ["TrainOutcome", "after_step", "read_metrics", "train"]
@@ -66,8 +66,9 @@ def train(
     run's lease (one writer per run: `training.run_lease`)."""
     with run_lease(config):
         outcome = TrainOutcome(config, open_run(config, resume))
-        # Rows of steps after the starting checkpoint belong to an abandoned attempt.
-        truncate_metrics(config.storage, config.run_id, outcome.policy.step)
+        # Rows of steps after the starting checkpoint belong to an abandoned attempt; the
+        # checkpointed step's row is restored if its process died before writing it.
+        settle_metrics(config.storage, outcome.policy)
         while outcome.policy.step < config.train.num_steps:
             outcome.policy, metrics = run_step(config, outcome.policy, stages)
             outcome.history.append(metrics)

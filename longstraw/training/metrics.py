@@ -4,6 +4,10 @@ A step's row is written once it is done; a step that runs again (a resumed run r
 whose checkpoint was lost, a retried flow) replaces its row and drops the rows after it, which
 belonged to the abandoned attempt. The file is rewritten whole through a rename, so a reader
 never sees half a row and no step appears twice.
+
+A checkpoint's `trainer_state.json` holds the row of the step that made it (`step_record`):
+`settle_metrics` puts it back when a process died between the checkpoint's commit and the row's
+write, so every checkpointed step has its row exactly once.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import os
 import uuid
 from pathlib import Path
 
+from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.storage import StorageConfig
-from longstraw.storage.checkpoints import run_dir
+from longstraw.storage.checkpoints import TRAINER_STATE, run_dir
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward.png"
+STEP_RECORD_KEY = "step_record"
+"""Key of the checkpointed step's metrics row in a checkpoint's trainer_state.json."""
 
 
 def read_metrics(run_path: Path) -> list[StepMetrics]:
@@ -45,6 +52,23 @@ def truncate_metrics(storage: StorageConfig, run_id: str, steps_done: int) -> No
     run_path = run_dir(storage, run_id)
     if (run_path / METRICS_FILE).exists():
         _write_rows(run_path, [m for m in read_metrics(run_path) if m.step < steps_done])
+
+
+def settle_metrics(storage: StorageConfig, policy: PolicyRef) -> None:
+    """Where run `policy.run_id` (re)starts, `policy.step` steps done: drop the rows of later
+    steps, and restore the checkpointed step's row from the checkpoint when it is missing."""
+    truncate_metrics(storage, policy.run_id, policy.step)
+    if policy.checkpoint_is_run_start or policy.step == 0:
+        return
+    run_path = run_dir(storage, policy.run_id)
+    rows = read_metrics(run_path)
+    if any(m.step == policy.step - 1 for m in rows):
+        return
+    start = Path(policy.checkpoint.uri.removeprefix("file://"))
+    trainer_state = json.loads((start / TRAINER_STATE).read_text())
+    if STEP_RECORD_KEY in trainer_state:
+        record = StepMetrics.model_validate(trainer_state[STEP_RECORD_KEY])
+        _write_rows(run_path, sorted([*rows, record], key=lambda m: m.step))
 
 
 def _write_rows(run_path: Path, rows: list[StepMetrics]) -> None:

@@ -60,14 +60,19 @@ def check_model(config: RunConfig) -> None:
 
 
 def check_resume(config: RunConfig, resume: bool) -> None:
-    from longstraw.storage.checkpoints import checkpoints_dir, latest_checkpoint
+    """`--resume` of a run that started: its newest checkpoint that verifies (damaged ones are
+    set aside with a warning), or none yet (it restarts from the initial weights)."""
+    from longstraw.storage.checkpoints import latest_valid_checkpoint, run_dir, run_started
 
-    if resume and latest_checkpoint(config.storage, config.run_id) is None:
+    if not resume:
+        return
+    if not run_started(config.storage, config.run_id):
         raise UserError(
-            f"--resume: run {config.run_id!r} has no committed checkpoint under "
-            f"{checkpoints_dir(config.storage, config.run_id)} — check --run-id and the storage "
-            "root, or start it without --resume"
+            f"--resume: run {config.run_id!r} has never started under "
+            f"{run_dir(config.storage, config.run_id)} — check --run-id and the storage root, or "
+            "start it without --resume"
         )
+    latest_valid_checkpoint(config.storage, config.run_id)
 
 
 def check_data(config: RunConfig) -> None:

@@ -63,7 +63,7 @@ from longstraw.training import held
 from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
-from longstraw.training.metrics import read_metrics, write_step_metrics
+from longstraw.training.metrics import STEP_RECORD_KEY, read_metrics, write_step_metrics
 from longstraw.training.streamed_state import budgeted_state
 
 
@@ -553,9 +553,12 @@ def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
     return frozenset({max(rows, key=lambda m: m.reward_mean).policy_version} if rows else ())
 
 
-def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
-    """Commit a Hugging Face checkpoint of the policy with its optimizer state; the returned ref
-    starts from it (and the gradient files it covers are removed)."""
+def write_checkpoint(
+    config: RunConfig, policy: PolicyRef, record: StepMetrics | None = None
+) -> PolicyRef:
+    """Commit a Hugging Face checkpoint of the policy with its optimizer state and `record`, the
+    metrics row of the step that made it (`trainer_state.json`); the returned ref starts from it
+    (and the gradient files it covers are removed)."""
     ctx = held.policy(config, policy)
     trainer_state = {
         "step": policy.step,
@@ -563,6 +566,8 @@ def write_checkpoint(config: RunConfig, policy: PolicyRef) -> PolicyRef:
         "run_id": config.run_id,
         "config": config.model_dump(mode="json"),
     }
+    if record is not None:
+        trainer_state[STEP_RECORD_KEY] = record.model_dump(mode="json")
     if ctx.weights is not None:
         ref = _write_sharded_checkpoint(ctx, trainer_state)
     elif is_writer():

@@ -131,10 +131,6 @@ def run_step(
         add("update", update.seconds)
         current = update.policy
     current = current.model_copy(update={"step": policy.step + 1})
-    if _stages.is_checkpoint_step(config, current.step):
-        started = time.perf_counter()
-        current = stages.write_checkpoint(config, current)
-        add("checkpoint", time.perf_counter() - started)
     records = [_stages.rollout_record(r) for r in rollouts]
     metrics = step_metrics(
         step=policy.step,
@@ -153,6 +149,13 @@ def run_step(
     )
     if config.agent is not None:
         metrics = metrics.model_copy(update=agent_metrics(records))
+    if _stages.is_checkpoint_step(config, current.step):
+        # The checkpoint carries the step's record (without its own time): a process killed
+        # between this commit and `record_step` gets the row back on resume.
+        started = time.perf_counter()
+        current = stages.write_checkpoint(config, current, metrics)
+        add("checkpoint", time.perf_counter() - started)
+        metrics = metrics.model_copy(update={"seconds": dict(seconds)})
     metrics = stages.record_step(config, metrics)
     progress.emit("step", step=metrics.step)
     return current, metrics

@@ -3,7 +3,10 @@ behind (the ephemeral Prefect server), and prints one line naming `--resume`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,4 +80,112 @@ def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
     resume_lines = [line for line in output.splitlines() if "--resume" in line]
     assert len(resume_lines) == 1, output[-3000:]
     assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
+    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
+
+
+def test_sigterm_to_the_process_group_stops_train_as_promptly(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """What a terminal's Ctrl-C, systemd, Slurm or Kubernetes deliver: the signal to the whole
+    group. The embedded Prefect server has a session of its own, so it outlives the signal long
+    enough for the run to report its crash, then goes with the run."""
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "group-term", num_steps=3)
+    first_checkpoint = runs_root / "runs" / "group-term" / "checkpoints" / "v000001"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
+        cwd=tmp_path,
+        env=_env(fresh_prefect_home(tmp_path / "prefect")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own group, as a shell job or a service has
+    )
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not first_checkpoint.is_dir():
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the first step never finished"
+            time.sleep(0.1)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "expected the embedded Prefect server as a child process"
+        sent = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for child in children:  # the server is in another session: not reached by killpg
+            if child.is_running():
+                child.kill()
+    print(f"group SIGTERM to exit: {took:.1f} s")
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    time.sleep(1.0)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
+    assert len(output.splitlines()) < 60, output[-3000:]
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)"
+)
+def test_ctrl_c_in_a_terminal_stops_train_with_the_resume_line(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """Ctrl-C typed into a terminal (tmux send-keys C-c): SIGINT to the foreground group."""
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "ctrl-c", num_steps=3)
+    first_checkpoint = runs_root / "runs" / "ctrl-c" / "checkpoints" / "v000001"
+    log, rc = tmp_path / "out.log", tmp_path / "rc"
+    command = (
+        f"{shlex.quote(sys.executable)} -m longstraw.cli train --config {config_path} "
+        f"> {log} 2>&1; echo $? > {rc}"
+    )
+    tmux = ["tmux", "-L", f"longstraw-test-{os.getpid()}"]  # a private tmux server: our env
+    env = _env(fresh_prefect_home(tmp_path / "prefect"))
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "train", "-c", str(tmp_path), command],
+        env=env,
+        check=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not first_checkpoint.is_dir():
+            assert not rc.exists(), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first step never finished"
+            time.sleep(0.1)
+        pane = subprocess.run(
+            [*tmux, "list-panes", "-t", "train", "-F", "#{pane_pid}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        children = psutil.Process(int(pane.stdout.split()[0])).children(recursive=True)
+        sent = time.monotonic()
+        subprocess.run([*tmux, "send-keys", "-t", "train", "C-c"], check=True)
+        while not rc.exists() and time.monotonic() - sent < 60:
+            time.sleep(0.1)
+        took = time.monotonic() - sent
+        time.sleep(1.0)  # the server's parent watch polls every second
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    output = log.read_text()
+    print(f"Ctrl-C to exit: {took:.1f} s")
+    assert rc.exists(), f"still running 60 s after Ctrl-C\n{output[-3000:]}"
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert rc.read_text().strip() == str(128 + signal.SIGINT), output[-3000:]
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert "interrupted by SIGINT" in resume_lines[0]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
     assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"

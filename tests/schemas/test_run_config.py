@@ -24,8 +24,9 @@ def write(tmp_path, text: str):
     return path
 
 
-def test_empty_file_gives_the_embedded_default(tmp_path):
-    config = load_run_config(write(tmp_path, ""))
+def test_an_explicit_empty_mapping_gives_the_embedded_default(tmp_path):
+    # An empty *file* is refused (tests/schemas/test_override_errors.py); `{}` asks for defaults.
+    config = load_run_config(write(tmp_path, "{}"))
     assert config == RunConfig()
     assert isinstance(config.data, HaystackDataConfig)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from longstraw.storage.checkpoints import OPTIMIZER_FILE, checkpoints_dir
+from longstraw.storage.checkpoints import OPTIMIZER_FILE, checkpoints_dir, valid_checkpoint
 from longstraw.training.loop import train
 from tests.training.helpers import run_config
 
@@ -31,6 +31,9 @@ def test_save_total_limit_keeps_latest_and_best_and_optimizer_only_in_latest(
     expected = sorted({f"v{v:06d}" for v in (3, 4, best) if v > 0})
     assert sorted(p.name for p in folder.iterdir()) == expected, [m.reward_mean for m in history]
     assert (folder / "v000004" / OPTIMIZER_FILE).is_file()
+    # Weights-only checkpoints still verify (their file record lost the optimizer's entry).
+    for path in folder.iterdir():
+        valid_checkpoint(path)
     for name in expected[:-1]:
         assert not list((folder / name).glob("optimizer*")), name
         assert (folder / name / "model.safetensors").is_file(), name

@@ -53,8 +53,13 @@ def test_model_checkpoint_must_be_a_supported_hf_directory(tmp_path, checkpoint_
     _fails(_config(tmp_path, model={"checkpoint": str(gpt2)}), "'gpt2' model.*qwen3_5")
 
 
-def test_resume_needs_a_committed_checkpoint(tmp_path):
-    _fails(_config(tmp_path), "--resume: run 'pre' has no committed checkpoint", resume=True)
+def test_resume_needs_a_run_that_started(tmp_path):
+    _fails(_config(tmp_path), "--resume: run 'pre' has never started", resume=True)
+    (tmp_path / "runs" / "pre").mkdir(parents=True)
+    (tmp_path / "runs" / "pre" / "RUN.lock").write_text("{}")  # a lease alone is no start
+    _fails(_config(tmp_path), "--resume: run 'pre' has never started", resume=True)
+    (tmp_path / "runs" / "pre" / "policy-v0").mkdir()  # crashed before its first checkpoint
+    preflight(_config(tmp_path), resume=True)
 
 
 def test_reward_specs_import_and_take_prompt_response_metadata(tmp_path, monkeypatch):

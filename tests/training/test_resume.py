@@ -100,7 +100,7 @@ def test_checkpoint_is_a_hugging_face_directory_without_pickle(interrupted_and_u
 
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, checkpoint_dir):
     config = run_config(tmp_path, checkpoint_dir("qwen3_5"), run_id="never-ran")
-    with pytest.raises(ValueError, match=r"has no committed checkpoint.*start it without --resume"):
+    with pytest.raises(ValueError, match=r"has never started.*start it without --resume"):
         train(config, resume=True)
 
 

@@ -1,0 +1,98 @@
+"""The embedded Prefect server of `longstraw train`, in a session of its own, dying with its parent.
+
+Prefect's ephemeral API server is a child in the trainer's process group, so a signal to the
+group (a terminal's Ctrl-C, `kill -TERM -<pgid>`, systemd, Slurm, Kubernetes) stops the server
+first, and Prefect's crash reporting then retries against a dead server for minutes. Started
+here instead, the server has a session of its own (the group's signal reaches only the trainer,
+which reports the crash and stops it on exit), and a thread in the server ends it when its parent
+is gone (a SIGKILLed trainer leaves no server behind).
+
+`python -m longstraw.flows.embedded_server PARENT_PID UVICORN_ARGS...` is that server process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PARENT_POLL_S = 1.0
+"""How often the server checks that its parent lives (a dead parent's server goes within ~1 s)."""
+STOP_GRACE_S = 5.0
+"""After SIGTERM, how long uvicorn gets to shut down before the process exits anyway."""
+
+
+def use_owned_ephemeral_server() -> bool:
+    """Make Prefect's ephemeral API (no PREFECT_API_URL) start through this module. Returns
+    False where a server is configured or the ephemeral one is already running."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return False
+    if None in SubprocessASGIServer._instances:
+        return False
+
+    class OwnedEphemeralServer(SubprocessASGIServer):
+        """Prefect's ephemeral server (registered as its port-less instance), started here."""
+
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            import prefect
+            from prefect.settings import get_current_settings
+
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "longstraw.flows.embedded_server",
+                    str(os.getpid()),
+                    "--app-dir",
+                    str(prefect.__module_path__.parent),
+                    "--factory",
+                    "prefect.server.api.server:create_app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ],
+                env={
+                    **os.environ,
+                    # What Prefect's own start sets: no UI, an ephemeral, final server.
+                    "PREFECT_UI_ENABLED": "0",
+                    "PREFECT__SERVER_EPHEMERAL": "1",
+                    "PREFECT__SERVER_FINAL": "1",
+                    **get_current_settings().to_environment_variables(exclude_unset=True),
+                },
+                start_new_session=True,
+            )
+
+    OwnedEphemeralServer()
+    return True
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_GRACE_S)
+    os._exit(1)
+
+
+def main(argv: list[str]) -> None:
+    parent, *uvicorn_args = argv
+    threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+    import uvicorn
+
+    sys.argv = ["uvicorn", *uvicorn_args]
+    uvicorn.main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
