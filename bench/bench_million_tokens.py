@@ -279,6 +279,45 @@ def kill_check(args, results: dict, save) -> None:
     )
 
 
+def plot(results: dict, path: Path) -> None:
+    """Step time per stage and peak RSS against P, one line per mode (resident runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, marker in (("detached", "o"), ("exact", "s")):
+        runs = sorted(
+            (r for r in results.values() if r.get("mode") == mode and r.get("budget_bytes") is None
+             and r.get("outcome") == "ok"),
+            key=lambda r: r["prompt_tokens"],
+        )  # fmt: skip
+        if not runs:
+            continue
+        ps = [r["prompt_tokens"] for r in runs]
+        for stage in ("prefill", "sweep"):
+            values = [r["metrics"]["seconds"].get(stage, 0.0) / 60 for r in runs]
+            if any(values):
+                time_ax.plot(ps, values, marker=marker, label=f"{mode}: {stage}")
+        steps = [sum(r["metrics"]["seconds"].values()) / 60 for r in runs]
+        time_ax.plot(ps, steps, marker=marker, linestyle="--", label=f"{mode}: whole step")
+        rss_ax.plot(ps, [r["peak_rss_sampled_bytes"] / 2**30 for r in runs], marker=marker,
+                    label=f"{mode}: peak RSS")  # fmt: skip
+        rss_ax.plot(ps, [r["state_bytes_on_disk"] / 2**30 for r in runs], marker=marker,
+                    linestyle=":", label=f"{mode}: state on disk")  # fmt: skip
+    for ax, label in ((time_ax, "minutes (one intra-op thread)"), (rss_ax, "GiB")):
+        ax.set_xlabel("prompt tokens P")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("One GRPO step of longstraw train, tiny qwen3_5, G = 8, 16-token completions")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="P:mode,... in the order to run")
@@ -294,7 +333,11 @@ def main() -> None:
     parser.add_argument("--progress-s", type=float, default=60.0)
     parser.add_argument("--rss-cap-gib", type=float, default=10.0)
     parser.add_argument("--kill-check", type=int, default=None, help="P of the kill test")
+    parser.add_argument("--plot", type=Path, default=None, help="only draw `--out` to this PNG")
     args = parser.parse_args()
+    if args.plot is not None:
+        plot(json.loads(args.out.read_text())["runs"], args.plot)
+        return
     args.work = args.work.resolve()
     results = json.loads(args.out.read_text())["runs"] if args.resume and args.out.exists() else {}
 
