@@ -318,6 +318,44 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def table(results: dict) -> str:
+    """The finished runs as a markdown table (seconds per stage, peak RSS, state bytes)."""
+    gib, mib = 2**30, 2**20
+    lines = [
+        "| P | mode | state | prefill | rollout | reward | replay | sweep | update | checkpoint "
+        "| peak RSS | peak RSS per stage (prefill / rollout / replay / sweep) | state on disk "
+        "| state resident (peak) | read from tier | shards computed / reused |",
+        "|" + "---|" * 16,
+    ]
+    for r in results.values():
+        if r.get("outcome") != "ok" or "metrics" not in r:
+            continue
+        m, sec, peaks = r["metrics"], r["metrics"]["seconds"], r["stage_peak_rss_bytes"]
+        resident = (
+            f"{m['state_peak_resident_bytes'] / mib:.1f} MiB"
+            if m["state_peak_resident_bytes"] is not None
+            else f"all ({r['state_bytes_on_disk'] / mib:.0f} MiB)"
+        )
+        tier = (
+            "resident" if r["budget_bytes"] is None else f"budget {r['budget_bytes'] / mib:g} MiB"
+        )
+        per_stage = " / ".join(
+            f"{peaks[s] / gib:.2f}" if s in peaks else "–"
+            for s in ("prefill", "rollout", "replay", "sweep")
+        )
+        lines.append(
+            f"| {r['prompt_tokens']:,} | {r['mode']} | "
+            f"{tier} | "
+            + " | ".join(f"{sec.get(s, 0.0):.1f} s" for s in
+                         ("prefill", "rollout", "reward", "replay", "sweep", "update", "checkpoint"))
+            + f" | {r['peak_rss_sampled_bytes'] / gib:.2f} GiB | {per_stage} GiB"
+            f" | {r['state_bytes_on_disk'] / mib:.0f} MiB | {resident}"
+            f" | {m['state_bytes_read'] / mib:.0f} MiB"
+            f" | {m['shards_computed']} / {m['shards_reused']} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="P:mode,... in the order to run")
@@ -334,7 +372,11 @@ def main() -> None:
     parser.add_argument("--rss-cap-gib", type=float, default=10.0)
     parser.add_argument("--kill-check", type=int, default=None, help="P of the kill test")
     parser.add_argument("--plot", type=Path, default=None, help="only draw `--out` to this PNG")
+    parser.add_argument("--table", action="store_true", help="only print `--out` as markdown")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())["runs"]))
+        return
     if args.plot is not None:
         plot(json.loads(args.out.read_text())["runs"], args.plot)
         return
