@@ -8,10 +8,11 @@ Each run of the plan (`--plan P:mode,...`, in order; shortest first) is one `lon
 irrelevant beside hours of prefill) on the `tiny` qwen3_5 checkpoint, built once under `--work`:
 the haystack retrieval task of exactly P tokens, G = 8 completions of 16 tokens, 2048-token
 prefill shards, state persisted to local Zarr in the background, one step. Every P:mode runs
-resident, then again under `engine.state_budget_bytes` (`--budget-mib`) on the disk tier; the
-budgeted run starts from a hard-linked copy of the resident run's committed prompt state (same
-checkpoint, same key), so its prefill is a read-back and its rollout and backward are what the
-budget changes.
+resident, then (after every resident run of the plan) again under `engine.state_budget_bytes`
+(`--budget-mib`) on the disk tier; a budgeted run starts from a hard-linked copy of the resident
+run's committed prompt state (same checkpoint, same key), so its prefill is a read-back and its
+rollout and backward are what the budget changes; its final checkpoint must equal the resident
+run's bitwise (`checkpoint_equal_to_resident`).
 
 Figures come from the run itself: `metrics.jsonl` (StepMetrics: seconds per stage, shards
 computed / reused, the tiered store's peak resident bytes and traffic) plus, from this script, a
@@ -396,35 +397,38 @@ def main() -> None:
                         "--size", "tiny", "--out", str(model)], check=True)  # fmt: skip
     if args.kill_check is not None:
         kill_check(args, results, save)
-    for entry in args.plan.split(","):
-        length, mode = entry.split(":")
+    # Every resident run first (the plan's order), then the budgeted ones: the figures the
+    # plan is for come before the repeats that only change where the state lives.
+    entries = [tuple(entry.split(":")) for entry in args.plan.split(",")]
+    budget = None if args.no_budget_runs else int(args.budget_mib * 2**20)
+    runs = [(length, mode, None) for length, mode in entries]
+    runs += [(length, mode, budget) for length, mode in entries if budget is not None]
+    for length, mode, budget_bytes in runs:
         resident = args.work / f"{length}-{mode}"
-        variants = [("resident", resident, None)]
-        if not args.no_budget_runs:
-            budget = int(args.budget_mib * 2**20)
-            variants.append((f"budget-{args.budget_mib:g}MiB-disk", resident.with_name(
-                f"{length}-{mode}-budget"), budget))  # fmt: skip
-        for variant, root, budget in variants:
-            label = f"{length}-{mode}-{variant}"
-            if results.get(label, {}).get("outcome") == "ok":
+        if budget_bytes is None:
+            label, root = f"{length}-{mode}-resident", resident
+        else:
+            label = f"{length}-{mode}-budget-{args.budget_mib:g}MiB-disk"
+            root = resident.with_name(f"{length}-{mode}-budget")
+        if results.get(label, {}).get("outcome") == "ok":
+            continue
+        if budget_bytes is not None:
+            if results.get(f"{length}-{mode}-resident", {}).get("outcome") != "ok":
                 continue
-            if budget is not None:
-                if results.get(f"{length}-{mode}-resident", {}).get("outcome") != "ok":
-                    continue
-                linked_copy_of_state(resident, root)
-            record = launch(args, root, run_yaml(args, root, int(length), mode, budget), label)
-            record |= {"mode": mode, "budget_bytes": budget}
-            if budget is not None and record["outcome"] == "ok":
-                # The budget moves bytes only: the step's weights must be the resident run's.
-                record["checkpoint_equal_to_resident"] = (
-                    record["checkpoint_sha256"]
-                    == results[f"{length}-{mode}-resident"]["checkpoint_sha256"]
-                )
-            results[label] = record
-            save()
-            if record["outcome"] != "ok":
-                log(f"{label}: stopping the plan ({record['outcome']})")
-                return
+            linked_copy_of_state(resident, root)
+        record = launch(args, root, run_yaml(args, root, int(length), mode, budget_bytes), label)
+        record |= {"mode": mode, "budget_bytes": budget_bytes}
+        if budget_bytes is not None and record["outcome"] == "ok":
+            # The budget moves bytes only: the step's weights must be the resident run's.
+            record["checkpoint_equal_to_resident"] = (
+                record["checkpoint_sha256"]
+                == results[f"{length}-{mode}-resident"]["checkpoint_sha256"]
+            )
+        results[label] = record
+        save()
+        if record["outcome"] != "ok":
+            log(f"{label}: stopping the plan ({record['outcome']})")
+            return
 
 
 if __name__ == "__main__":
