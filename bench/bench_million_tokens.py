@@ -288,9 +288,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (time_ax, rss_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    # The kill check's uninterrupted run is a resident exact step of the same settings.
+    points = [r for r in results.values() if "uninterrupted" not in r] + [
+        r["uninterrupted"] | {"mode": "exact", "budget_bytes": None}
+        for r in results.values()
+        if "uninterrupted" in r
+    ]
     for mode, marker in (("detached", "o"), ("exact", "s")):
         runs = sorted(
-            (r for r in results.values() if r.get("mode") == mode and r.get("budget_bytes") is None
+            (r for r in points if r.get("mode") == mode and r.get("budget_bytes") is None
              and r.get("outcome") == "ok"),
             key=lambda r: r["prompt_tokens"],
         )  # fmt: skip
@@ -308,6 +314,8 @@ def plot(results: dict, path: Path) -> None:
         rss_ax.plot(ps, [r["state_bytes_on_disk"] / 2**30 for r in runs], marker=marker,
                     linestyle=":", label=f"{mode}: state on disk")  # fmt: skip
     for ax, label in ((time_ax, "minutes (one intra-op thread)"), (rss_ax, "GiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("prompt tokens P")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
