@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from longstraw.distributed.launch import run_on_ranks
+from longstraw.schemas.run import EngineConfig
 
 SEED = 42
 
@@ -60,7 +61,8 @@ def single_process(
     prefill_s = time.perf_counter() - started
     stats = accumulate_group_gradients(
         model, state, responses, advantages, GRPOConfig(beta=0.0),
-        shard_tokens=shard_tokens, prompt_grad="exact", grad_buffer=GradBuffer(model),
+        EngineConfig(shard_tokens=shard_tokens, prompt_grad="exact"),
+        grad_buffer=GradBuffer(model),
     )  # fmt: skip
     return {
         "threads": torch.get_num_threads(),

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from longstraw.schemas.run import EngineConfig
+
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -59,9 +61,11 @@ def _worker(args) -> None:
             responses,
             advantages,
             cfg,
-            shard_tokens=args.shard_tokens,
-            prompt_grad="exact",
-            branch_segment_tokens=args.segment_tokens if args.mode == "segmented" else None,
+            EngineConfig(
+                shard_tokens=args.shard_tokens,
+                prompt_grad="exact",
+                branch_segment_tokens=args.segment_tokens if args.mode == "segmented" else None,
+            ),
         )
     seconds = time.perf_counter() - started
     print(json.dumps({"peak_rss_growth": _peak_rss() - base, "seconds": seconds}))

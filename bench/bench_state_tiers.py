@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from longstraw.schemas.run import EngineConfig
+
 SHARD_TOKENS = 2048
 RESPONSE_TOKENS = 32
 
@@ -73,7 +75,7 @@ def worker(
     floor_kib = _status_kib("VmRSS")
     started = time.perf_counter()
     stats = accumulate_group_gradients(
-        model, state, responses, advantages, GRPOConfig(), shard_tokens=SHARD_TOKENS
+        model, state, responses, advantages, GRPOConfig(), EngineConfig(shard_tokens=SHARD_TOKENS)
     )
     seconds = time.perf_counter() - started
     peak_kib = _status_kib("VmHWM")
@@ -131,7 +133,7 @@ def timing_worker(
                 responses,
                 advantages,
                 GRPOConfig(),
-                shard_tokens=SHARD_TOKENS,
+                EngineConfig(shard_tokens=SHARD_TOKENS),
             )
             records.append(
                 {

@@ -5,7 +5,7 @@ The engine works on a plain `transformers` model:
 
 >>> import tempfile, torch
 >>> from transformers import AutoModelForCausalLM
->>> from longstraw import GRPOConfig, accumulate_group_gradients, branch_logprobs, prefill
+>>> from longstraw import EngineConfig, GRPOConfig, accumulate_group_gradients, branch_logprobs, prefill
 >>> from longstraw.models.factory import init_model
 >>> path = init_model("qwen3_5", "tiny", tempfile.mkdtemp() + "/qwen35-tiny", seed=42)
 >>> model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -17,7 +17,7 @@ The engine works on a plain `transformers` model:
 torch.Size([3])
 >>> stats = accumulate_group_gradients(                       # one group, one branch at a time
 ...     model, state, [[5, 17, 3], [9, 2]], [1.0, -1.0], GRPOConfig(loss_type="dapo"),
-...     shard_tokens=128, prompt_grad="exact")                # exact: through the prompt state
+...     EngineConfig(prompt_grad="exact"))                    # exact: through the prompt state
 >>> all(p.grad is not None for p in model.parameters())
 True
 >>> len(stats.branch_losses), stats.num_shards
@@ -46,6 +46,7 @@ _EXPORTS = {
     "score_responses": "longstraw.engine.rollout",
     "PrefixState": "longstraw.engine.state",
     "GRPOConfig": "longstraw.schemas.grpo",
+    "EngineConfig": "longstraw.schemas.run",
     "RunConfig": "longstraw.schemas.run",
     "train": "longstraw.training.loop",
 }

@@ -37,6 +37,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.grpo.losses import branch_loss, group_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 # TRL's defaults (loss_type "dapo", beta 0, epsilon 0.2): what a user gets without tuning.
 LOSS_CONFIG = GRPOConfig()
@@ -61,8 +62,7 @@ def longstraw_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, mode: 
         batch.responses,
         batch.advantages,
         LOSS_CONFIG,
-        shard_tokens=spec.shard_tokens,
-        prompt_grad=mode,
+        EngineConfig(shard_tokens=spec.shard_tokens, prompt_grad=mode),
     )
     seconds = time.perf_counter() - started
     return {
@@ -379,8 +379,7 @@ def fidelity_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_di
             batch.responses,
             batch.advantages,
             LOSS_CONFIG,
-            shard_tokens=spec.shard_tokens,
-            prompt_grad=mode,
+            EngineConfig(shard_tokens=spec.shard_tokens, prompt_grad=mode),
         )
         rows[f"longstraw-{mode}"] = {**compare(flat_grad(model), reference), "loss": stats.loss}
     full_spec = spec.model_copy(update={"measured_sequences": spec.group_size})

@@ -39,16 +39,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface, PreTrainedModel
 
-from longstraw.distributed.partial_attention import (
+from longstraw.engine.attention import CACHE_KWARG
+from longstraw.engine.cache import PrefixAttentionLayer
+from longstraw.models.glm import is_glm
+from longstraw.ops.partial_attention import (
     causal_partial,
     causal_partial_backward,
     merge_partials,
     prefix_partial,
     prefix_partial_backward,
 )
-from longstraw.engine.attention import CACHE_KWARG
-from longstraw.engine.cache import PrefixAttentionLayer
-from longstraw.models.glm import is_glm
 
 ATTENTION_NAME = "longstraw_sharded"
 # Prefix keys per chunk of the partial attention (bounds the score block to [B, H, R, 1024]).

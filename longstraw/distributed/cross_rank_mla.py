@@ -53,7 +53,6 @@ from longstraw.distributed.cross_rank_attention import (
     _header,
     answer_gradient_slices,
 )
-from longstraw.distributed.partial_attention import merge_partials
 from longstraw.engine.cache import PrefixMlaLayer
 from longstraw.models.glm import (
     PREFIX_CHUNK_TOKENS,
@@ -65,11 +64,11 @@ from longstraw.models.patching import forwards_replaced
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
 from longstraw.ops.mla_attention import (
-    _merge,
     _PrefixLatentAttention,
     branch_latent_partial,
     split_kv_b_weight,
 )
+from longstraw.ops.partial_attention import merge_partial_attention, merge_partials
 
 # Header ops of the MLA exchanges (after cross_rank_attention's 0 forward, 1 backward, 2 done).
 OP_MLA_SELECT, OP_MLA_FORWARD, OP_MLA_BACKWARD = 3, 4, 5
@@ -385,7 +384,7 @@ def sharded_latent_attention(
         return out
     needs_grad = torch.is_grad_enabled() and (q_lat.requires_grad or q_rot.requires_grad)
     out_p, lse_p = layer.prefix_attention(q_lat, q_rot, layer_idx, selected_BSK, scale, needs_grad)
-    return _merge(out_p, lse_p, out, lse)
+    return merge_partial_attention(out_p, lse_p, out, lse)[0]
 
 
 def sharded_mla_forward(

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharded_prefill
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
+from longstraw.engine.layer_kinds import named_arrays
 from longstraw.schemas.storage import (
     ArraySpec,
     PrefixStateRef,
@@ -78,16 +79,7 @@ class ShardedPrefillOutcome:
 
 def sharded_state_tensors(state: ShardedPrefixState) -> dict[str, torch.Tensor]:
     """This rank's arrays by storage name (the names of `PrefixState.tensors()`)."""
-    named = {
-        "full_attention/k": state.keys,
-        "full_attention/v": state.values,
-        "linear_attention/conv": state.conv,
-        "linear_attention/recurrent": state.recurrent,
-        "mla/latent": state.latent,
-        "mla/rope_key": state.rope_key,
-        "mla/indexer_key": state.indexer_key,
-    }
-    return {name: tensor for name, tensor in named.items() if tensor is not None}
+    return named_arrays(state)
 
 
 def sharded_state_layout(state: ShardedPrefixState) -> StateLayout:

@@ -34,26 +34,20 @@ from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.layer_kinds import branch_layers, sweep_layers
 from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.recomputed_span import (
+    SpanOutputs,
+    backward_recomputed_span,
+    take_start_cotangent,
+)
 from longstraw.engine.replay import PromptCotangent, token_logprobs
-from longstraw.engine.sweep import RecomputedStateMismatchError, mlps_recomputed_in_blocks
+from longstraw.engine.sweep import mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
 def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
     """fp32 dS for this rank's slice: K/V (or MLA latents and rope keys) of its positions, and
     the linear state (constant). Indexer keys have none (the indexer runs under no_grad)."""
-
-    def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-
-    return PromptCotangent(
-        zeros(state.keys),
-        zeros(state.values),
-        zeros(state.final_conv),
-        zeros(state.final_recurrent),
-        zeros(state.latent),
-        zeros(state.rope_key),
-    )
+    return PromptCotangent.zeros_for(state, *state.final_linear_state_all())
 
 
 class ShardedBranch:
@@ -135,16 +129,6 @@ def sharded_branch_logprobs(
     return token_logprobs(logits, response.unsqueeze(0), temperature)[0], branch
 
 
-def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
-    if not torch.equal(recomputed.detach(), stored):
-        diff = (recomputed.detach().float() - stored.float()).abs()
-        raise RecomputedStateMismatchError(
-            f"shard {shard}: recomputed {name} differs from this rank's stored state "
-            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
-            "recompute the sharded prefill with the same weights, dtype, ranks and shard size"
-        )
-
-
 def _sweep_owned_shard(
     model: PreTrainedModel,
     state: ShardedPrefixState,
@@ -156,25 +140,8 @@ def _sweep_owned_shard(
     start, end = state.bounds[shard]
     offset = state.token_start
     local = shard - state.shards[0]
-    outputs: list[tuple[str, int, torch.Tensor]] = []
-
-    def kv_hook(slot: int):
-        def record(k_BKSD, v_BKSD):
-            outputs.extend((("k", slot, k_BKSD), ("v", slot, v_BKSD)))
-
-        return record
-
+    outputs = SpanOutputs()
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def mla_hook(slot: int):
-        def record(latent_BSR, rope_BSE, index_BSD):
-            outputs.extend((("latent", slot, latent_BSR), ("rope_key", slot, rope_BSE)))
-            if index_BSD is not None:
-                index_slot = state.spec.mla.indexer_slot(state.spec.mla.layer_indices[slot])
-                outputs.append(("indexer_key", index_slot, index_BSD))
-
-        return record
-
     # As the single-process sweep: the MLPs and the delta rule keep only their inputs and
     # recompute block by block in backward, so the shard's graph holds no MLP activations.
     with (
@@ -190,59 +157,35 @@ def _sweep_owned_shard(
             prefix_end=local_prefix_end(state, shard),
             checkpoint=local,
             leaves=leaves,
+            record=outputs,
             kind_kwargs={
                 "full_attention": lambda slot: {
                     "layer_class": CrossRankAttentionLayer,
                     "slot": slot,
-                    "on_update": kv_hook(slot),
                     **ranks,
                 },
-                "linear_attention": lambda slot: {
-                    "layer_class": ForkedLinearAttentionLayer,
-                    "on_conv": lambda t: outputs.append(("conv", slot, t)),
-                    "on_recurrent": lambda t: outputs.append(("recurrent", slot, t)),
-                },
-                "mla": lambda slot: {
+                "linear_attention": {"layer_class": ForkedLinearAttentionLayer},
+                "mla": {
                     "layer_class": CrossRankMlaLayer,
                     "num_prefix": start,
                     "local_start": offset,
-                    "on_update": mla_hook(slot),
                     **ranks,
                 },
             },
         )
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
-
-    tensors, grads = [], []
-    for kind, slot, tensor in outputs:
-        if kind in ("k", "v"):
-            stored_all = state.keys if kind == "k" else state.values
-            cot_all = cotangent.keys if kind == "k" else cotangent.values
-            stored = stored_all[slot, start - offset : end - offset]
-            cot = cot_all[slot, start - offset : end - offset]
-            recomputed = tensor[0].transpose(0, 1)
-        elif kind in ("latent", "rope_key", "indexer_key"):
-            stored = getattr(state, kind)[slot, start - offset : end - offset]
-            # Indexer keys have no cotangent (no_grad indexer): checked, never backpropagated.
-            cot = None
-            if kind != "indexer_key":
-                cot = getattr(cotangent, kind)[slot, start - offset : end - offset]
-            recomputed = tensor[0]
-        else:
-            stored = getattr(state, kind)[slot, local + 1]
-            cot = getattr(cotangent, kind)[slot]
-            recomputed = tensor[0]
-        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
-        if recomputed.requires_grad:
-            tensors.append(recomputed)
-            grads.append(cot.to(recomputed.dtype))
-    if tensors:
-        with cross_rank_attention_enabled(model):
-            torch.autograd.backward(tensors, grads)
-    for slot, (conv, recurrent) in leaves.items():
-        cotangent.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()
-        cotangent.recurrent[slot] = 0.0 if recurrent.grad is None else recurrent.grad.float()
+    with cross_rank_attention_enabled(model):
+        backward_recomputed_span(
+            outputs,
+            state,
+            cotangent,
+            rows=slice(start - offset, end - offset),
+            end_checkpoint=local + 1,
+            what=f"shard {shard} on rank {state.rank}",
+            remedy="recompute the sharded prefill with the same weights, dtype, ranks and shard size",
+        )
+    take_start_cotangent(leaves, cotangent)
 
 
 def _hand_back_linear_cotangent(

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longstraw.engine.layer_kinds import allocate_state_arrays
+from longstraw.engine.layer_kinds import (
+    CHECKPOINT_ARRAYS,
+    STATE_ARRAYS,
+    TOKEN_ARRAYS,
+    allocate_state_arrays,
+    nbytes,
+)
 from longstraw.engine.state import PrefixState, shard_bounds
 from longstraw.models.adapters import StateSpec
 
@@ -101,12 +107,11 @@ class ShardedPrefixState:
 
     def state_bytes(self) -> int:
         """Bytes of this rank's per-token part (K/V, MLA latents)."""
-        per_token = (self.keys, self.values, self.latent, self.rope_key, self.indexer_key)
-        return sum(t.numel() * t.element_size() for t in per_token if t is not None)
+        return nbytes(getattr(self, a.field) for a in TOKEN_ARRAYS)
 
     def checkpoint_bytes(self) -> int:
-        tensors = (self.conv, self.recurrent, self.final_conv, self.final_recurrent)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        checkpoints = [getattr(self, a.field) for a in CHECKPOINT_ARRAYS]
+        return nbytes([*checkpoints, self.final_conv, self.final_recurrent])
 
     @classmethod
     def allocate(
@@ -134,6 +139,10 @@ class ShardedPrefixState:
             final_conv=final_conv, final_recurrent=final_recurrent, **arrays,
         )  # fmt: skip
 
+    def final_linear_state_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([L, C, W], [L, H, Dk, Dv]) every Gated DeltaNet layer's state after the prompt."""
+        return self.final_conv, self.final_recurrent
+
     def final_linear_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([C, W], [H, Dk, Dv]) Gated DeltaNet layer `slot`'s state after the whole prompt."""
         return self.final_conv[slot], self.final_recurrent[slot]
@@ -148,22 +157,18 @@ def scatter_state(state: PrefixState, rank: int, world_size: int) -> ShardedPref
     def part(t: torch.Tensor | None, index) -> torch.Tensor | None:
         return None if t is None else t[index].clone()
 
+    rows = (slice(None), slice(start, end))
+    checkpoints = (slice(None), slice(shards[0], shards[-1] + 2))
+    arrays = {
+        a.field: part(getattr(state, a.field), rows if a.per_token else checkpoints)
+        for a in STATE_ARRAYS
+    }
     return ShardedPrefixState(
         state.spec, state.prompt_ids, state.shard_tokens, state.bounds, rank, world_size, shards,
-        part(state.keys, (slice(None), slice(start, end))),
-        part(state.values, (slice(None), slice(start, end))),
-        part(state.conv, (slice(None), slice(shards[0], shards[-1] + 2))),
-        part(state.recurrent, (slice(None), slice(shards[0], shards[-1] + 2))),
-        part(state.conv, (slice(None), final)),
-        part(state.recurrent, (slice(None), final)),
-        part(state.latent, (slice(None), slice(start, end))),
-        part(state.rope_key, (slice(None), slice(start, end))),
-        part(state.indexer_key, (slice(None), slice(start, end))),
+        final_conv=part(state.conv, (slice(None), final)),
+        final_recurrent=part(state.recurrent, (slice(None), final)),
+        **arrays,
     )  # fmt: skip
-
-
-# Arrays indexed by token (the rest are per-shard checkpoints).
-_PER_TOKEN = ("keys", "values", "latent", "rope_key", "indexer_key")
 
 
 def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = None) -> PrefixState:
@@ -175,13 +180,14 @@ def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = No
         dtype=next(t for t in (local.keys, local.latent, local.conv) if t is not None).dtype,
     )
     ranges = rank_shard_ranges(local.num_shards, local.world_size)
-    for name in (*_PER_TOKEN, "conv", "recurrent"):
+    for array in STATE_ARRAYS:
+        name = array.field
         mine = getattr(local, name)
         if mine is None:
             continue
         # all_gather needs equal sizes: pad every slice to the largest along the sliced dim.
         sizes = [
-            (local.bounds[r[-1]][1] - local.bounds[r[0]][0]) if name in _PER_TOKEN else len(r) + 1
+            (local.bounds[r[-1]][1] - local.bounds[r[0]][0]) if array.per_token else len(r) + 1
             for r in ranges
         ]
         padded = mine.new_zeros((mine.shape[0], max(sizes), *mine.shape[2:]))
@@ -190,7 +196,7 @@ def gather_state(local: ShardedPrefixState, group: dist.ProcessGroup | None = No
         dist.all_gather(parts, padded, group=group)
         whole = getattr(state, name)
         for owned, size, part in zip(ranges, sizes, parts, strict=True):
-            if name in _PER_TOKEN:
+            if array.per_token:
                 start = local.bounds[owned[0]][0]
                 whole[:, start : start + size] = part[:, :size]
             else:

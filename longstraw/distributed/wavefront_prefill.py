@@ -79,7 +79,6 @@ from longstraw.distributed.cross_rank_mla import (
     rank_partial,
     serve_candidates,
 )
-from longstraw.distributed.partial_attention import causal_partial, merge_partials, prefix_partial
 from longstraw.distributed.sharded_prefill import (
     broadcast_final_linear_state,
     owner_prefill_cache,
@@ -90,6 +89,7 @@ from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.models.adapters import decoder_of
 from longstraw.models.glm import is_glm
+from longstraw.ops.partial_attention import causal_partial, merge_partials, prefix_partial
 
 ATTENTION_NAME = "longstraw_wavefront"
 # Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind). GLM-5's MLA

@@ -2,10 +2,11 @@
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.prefill import prefill
+from longstraw.engine.recomputed_span import RecomputedStateMismatchError
 from longstraw.engine.replay import PromptCotangent, branch_logprobs
 from longstraw.engine.rollout import Response, SamplingParams, sample_responses, score_responses
 from longstraw.engine.state import PrefixState, shard_bounds
-from longstraw.engine.sweep import RecomputedStateMismatchError, sweep_prompt_shards
+from longstraw.engine.sweep import sweep_prompt_shards
 
 __all__ = [
     "GradBuffer",

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.layer_kinds import COTANGENT_ARRAYS, TOKEN_ARRAYS
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.segmented_replay import (
     _segment_backward,
@@ -200,17 +201,17 @@ def _run_node(
 def _copy_ancestors(parent: PrefixState, child: PrefixState, end: int) -> None:
     """Positions [0, end) of the parent's state into the child's, and the parent's end state as
     the state at the start of the child's own span (entry 1: after the ancestors' bound)."""
-    for name in ("keys", "values", "latent", "rope_key", "indexer_key"):
-        src = getattr(parent, name)
+    for array in TOKEN_ARRAYS:
+        src = getattr(parent, array.field)
         if src is not None:
-            getattr(child, name)[:, :end] = src[:, :end]
+            getattr(child, array.field)[:, :end] = src[:, :end]
     if parent.conv is not None:
         child.conv[:, 1] = parent.conv[:, parent.num_shards]
         child.recurrent[:, 1] = parent.recurrent[:, parent.num_shards]
 
 
 def _add_ancestor_cotangent(child: PromptCotangent, parent: PromptCotangent, end: int) -> None:
-    for name in ("keys", "values", "latent", "rope_key"):
-        src = getattr(child, name)
+    for array in COTANGENT_ARRAYS:
+        src = getattr(child, array.field) if array.per_token else None
         if src is not None:
-            getattr(parent, name)[:, :end] += src[:, :end]
+            getattr(parent, array.field)[:, :end] += src[:, :end]

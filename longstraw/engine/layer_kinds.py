@@ -18,7 +18,8 @@ new class here, added to `LAYER_KINDS`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,14 +34,42 @@ from longstraw.engine.cache import (
 )
 from longstraw.models.adapters import StateSpec
 
-# Every array a prompt state may hold, by name; a kind's `allocate` fills its own.
-STATE_ARRAYS = ("keys", "values", "conv", "recurrent", "latent", "rope_key", "indexer_key")
+# What a cache layer's hook hands on: (array, array slot, [rows, *X] or [*X] tensor) per array.
+Record = Callable[[list[tuple["StateArray", int, torch.Tensor]]], None]
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of a prompt state, declared once by its layer kind.
+
+    Everything that iterates over a state's arrays reads these declarations: allocation, the
+    exact-mode cotangent, the tiers, gathering and scattering over ranks, the storage layout and
+    the Zarr manifest, and the recomputed outputs the sweep and segments check and backpropagate.
+    """
+
+    field: str
+    """Attribute of `PrefixState` (and of `PromptCotangent`, with a cotangent): "keys"."""
+    storage_name: str
+    """Array path inside state.zarr: "full_attention/k"."""
+    per_token: bool
+    """True: [L, T, ...] indexed by position (grows with the prompt, streamed by the tiers);
+    False: [L, N, ...] checkpoints at shard boundaries (constant per shard)."""
+    has_cotangent: bool
+    """Exact mode accumulates a fp32 cotangent of it (False: read under no_grad only)."""
+    layers_attr: str = "layer_indices"
+    """The attribute of the kind's spec listing the decoder layers that hold a slot."""
+
+    def layer_indices(self, kind_spec: Any) -> tuple[int, ...]:
+        """Decoder layer of each slot (dim 0) of this array."""
+        return tuple(getattr(kind_spec, self.layers_attr))
 
 
 class LayerKind(abc.ABC):
     """A kind of decoder layer, named by its field of `StateSpec`."""
 
     field: str
+    arrays: tuple[StateArray, ...]
+    """The state arrays of this kind, in the order its cache layers hand them to a hook."""
 
     def spec(self, state_spec: StateSpec) -> Any:
         """This kind's part of the spec, or None when the model has no such layer."""
@@ -50,6 +79,13 @@ class LayerKind(abc.ABC):
         """(slot in this kind's arrays, decoder layer index) of each layer of this kind."""
         spec = self.spec(state_spec)
         return iter(()) if spec is None else enumerate(spec.layer_indices)
+
+    @abc.abstractmethod
+    def output_hooks(self, state_spec: StateSpec, slot: int, record: Record) -> dict[str, Any]:
+        """The hook arguments of this kind's cache layer (`on_update`, or `on_conv` /
+        `on_recurrent`) that hand each forward's new state of layer `slot` to
+        `record([(array, array slot, tensor in the state's layout without the batch dim)])`:
+        what prefill and segments write, and what the sweep checks and backpropagates."""
 
     @abc.abstractmethod
     def allocate(
@@ -128,7 +164,7 @@ class LayerKind(abc.ABC):
         """The cache layer segment k of a long branch runs this layer with
         (`engine.segmented_replay`): it reads the prompt's state and the branch's own state
         before the segment (`branch`, a `PrefixState` whose shards are the segments), and hands
-        the segment's new state to `on_update(name, slot)`. With `branch_cotangent` (autograd)
+        the segment's new state to the `Record` `on_update` (through `output_hooks`). With `branch_cotangent` (autograd)
         the branch state it reads from a fork is a leaf (`leaves[slot]`)."""
 
 
@@ -136,6 +172,20 @@ class FullAttention(LayerKind):
     """Softmax attention: K/V per token."""
 
     field = "full_attention"
+    arrays = (
+        StateArray("keys", "full_attention/k", per_token=True, has_cotangent=True),
+        StateArray("values", "full_attention/v", per_token=True, has_cotangent=True),
+    )
+
+    def output_hooks(self, state_spec, slot, record):
+        keys, values = self.arrays
+
+        def on_update(k_BKSD, v_BKSD):
+            record(
+                [(keys, slot, k_BKSD[0].transpose(0, 1)), (values, slot, v_BKSD[0].transpose(0, 1))]
+            )
+
+        return {"on_update": on_update}
 
     def allocate(self, fa, *, num_tokens, num_checkpoints, dtype, device):
         layers = len(fa.layer_indices)
@@ -184,16 +234,10 @@ class FullAttention(LayerKind):
         layer_class=PrefixAttentionLayer,
         **kwargs,
     ):
-        del checkpoint  # K/V are per token
-
-        def write_kv(k_BKSD, v_BKSD):
-            state.keys[slot, rows] = k_BKSD[0].transpose(0, 1)
-            state.values[slot, rows] = v_BKSD[0].transpose(0, 1)
-
         return layer_class(
             state.keys[slot, :prefix_end],
             state.values[slot, :prefix_end],
-            on_update=write_kv,
+            **self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1)),
             **kwargs,
         )
 
@@ -249,7 +293,7 @@ class FullAttention(LayerKind):
             grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
             grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
             extra_prefix=extra,
-            on_update=on_update("kv", slot),
+            **self.output_hooks(prompt.spec, slot, on_update),
         )
 
 
@@ -257,6 +301,17 @@ class GatedDeltaNet(LayerKind):
     """Linear attention: a conv tail and a recurrent state, checkpointed at shard starts."""
 
     field = "linear_attention"
+    arrays = (
+        StateArray("conv", "linear_attention/conv", per_token=False, has_cotangent=True),
+        StateArray("recurrent", "linear_attention/recurrent", per_token=False, has_cotangent=True),
+    )
+
+    def output_hooks(self, state_spec, slot, record):
+        conv, recurrent = self.arrays
+        return {
+            "on_conv": lambda tail_BCW: record([(conv, slot, tail_BCW[0])]),
+            "on_recurrent": lambda rec_BHKV: record([(recurrent, slot, rec_BHKV[0])]),
+        }
 
     def allocate(self, la, *, num_tokens, num_checkpoints, dtype, device):
         layers = len(la.layer_indices)
@@ -291,19 +346,11 @@ class GatedDeltaNet(LayerKind):
         )
 
     def prefill_layer(self, state, slot, layer_idx, /, *, prefix_end, rows, checkpoint):
-        del prefix_end, rows  # the state is the checkpoint, whatever the shard's length
-
-        def write_conv(tail_BCW):
-            state.conv[slot, checkpoint + 1] = tail_BCW[0]
-
-        def write_recurrent(rec_BHKV):
-            state.recurrent[slot, checkpoint + 1] = rec_BHKV[0]
-
+        # The state is the checkpoint, whatever the shard's length.
         return ForkedLinearAttentionLayer(
             state.conv[slot, checkpoint].unsqueeze(0),
             state.recurrent[slot, checkpoint].unsqueeze(0),
-            on_conv=write_conv,
-            on_recurrent=write_recurrent,
+            **self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1)),
         )
 
     def sweep_layer(
@@ -340,7 +387,7 @@ class GatedDeltaNet(LayerKind):
         leaves,
         on_update,
     ):
-        del prompt, prompt_cotangent, layer_idx  # the branch starts from the prompt's end state
+        del prompt_cotangent, layer_idx  # the branch starts from the prompt's end state
         conv, recurrent = branch.conv[slot, k], branch.recurrent[slot, k]
         if branch_cotangent is not None:
             conv = conv.detach().requires_grad_(True)
@@ -349,8 +396,7 @@ class GatedDeltaNet(LayerKind):
         return ForkedLinearAttentionLayer(
             conv.unsqueeze(0),
             recurrent.unsqueeze(0),
-            on_conv=on_update("conv", slot),
-            on_recurrent=on_update("recurrent", slot),
+            **self.output_hooks(prompt.spec, slot, on_update),
         )
 
 
@@ -358,6 +404,32 @@ class Mla(LayerKind):
     """Multi-head latent attention (GLM-5): latents and rope keys per token, DSA indexer keys."""
 
     field = "mla"
+    arrays = (
+        StateArray("latent", "mla/latent", per_token=True, has_cotangent=True),
+        StateArray("rope_key", "mla/rope_key", per_token=True, has_cotangent=True),
+        # The DSA indexer runs under no_grad: its keys are checked, never backpropagated.
+        StateArray(
+            "indexer_key",
+            "mla/indexer_key",
+            per_token=True,
+            has_cotangent=False,
+            layers_attr="indexer_layer_indices",
+        ),
+    )
+
+    def output_hooks(self, state_spec, slot, record):
+        latent, rope_key, indexer_key = self.arrays
+        mla = state_spec.mla
+        layer_idx = mla.layer_indices[slot]
+        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+
+        def on_update(latent_BSR, rope_BSE, index_BSD):
+            entries = [(latent, slot, latent_BSR[0]), (rope_key, slot, rope_BSE[0])]
+            if index_slot is not None and index_BSD is not None:
+                entries.append((indexer_key, index_slot, index_BSD[0]))
+            record(entries)
+
+        return {"on_update": on_update}
 
     def allocate(self, mla, *, num_tokens, num_checkpoints, dtype, device):
         layers = len(mla.layer_indices)
@@ -415,21 +487,13 @@ class Mla(LayerKind):
         layer_class=PrefixMlaLayer,
         **kwargs,
     ):
-        del checkpoint  # latents are per token
         mla = state.spec.mla
         index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
-
-        def write_mla(latent_BSR, rope_BSE, index_BSD):
-            state.latent[slot, rows] = latent_BSR[0]
-            state.rope_key[slot, rows] = rope_BSE[0]
-            if index_slot is not None:
-                state.indexer_key[index_slot, rows] = index_BSD[0]
-
         return layer_class(
             state.latent[slot, :prefix_end],
             state.rope_key[slot, :prefix_end],
             None if index_slot is None else state.indexer_key[index_slot, :prefix_end],
-            on_update=write_mla,
+            **self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1)),
             **kwargs,
         )
 
@@ -488,19 +552,55 @@ class Mla(LayerKind):
             None if index_slot is None else prompt.indexer_key[index_slot],
             grad_latent_TR=None if prompt_cotangent is None else prompt_cotangent.latent[slot],
             grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
-            on_update=on_update("mla", slot),
+            **self.output_hooks(prompt.spec, slot, on_update),
             earlier=(latent, rope, index),
         )
 
 
 LAYER_KINDS: tuple[LayerKind, ...] = (FullAttention(), GatedDeltaNet(), Mla())
 
+# Every array a prompt state may hold, in a fixed order (storage, manifests, gathers).
+STATE_ARRAYS: tuple[StateArray, ...] = tuple(a for kind in LAYER_KINDS for a in kind.arrays)
+TOKEN_ARRAYS = tuple(a for a in STATE_ARRAYS if a.per_token)
+CHECKPOINT_ARRAYS = tuple(a for a in STATE_ARRAYS if not a.per_token)
+COTANGENT_ARRAYS = tuple(a for a in STATE_ARRAYS if a.has_cotangent)
+STATE_FIELDS = tuple(a.field for a in STATE_ARRAYS)
+_BY_FIELD = {a.field: a for a in STATE_ARRAYS}
+_BY_STORAGE_NAME = {a.storage_name: a for a in STATE_ARRAYS}
+_KIND_OF = {a.field: kind for kind in LAYER_KINDS for a in kind.arrays}
+
+
+def state_array(field: str) -> StateArray:
+    """The declaration of the state array `field` ("keys", "conv", ...)."""
+    return _BY_FIELD[field]
+
+
+def state_array_by_storage_name(name: str) -> StateArray:
+    """The declaration of the state array stored at `name` ("full_attention/k", ...)."""
+    return _BY_STORAGE_NAME[name]
+
+
+def array_layer_indices(spec: StateSpec, field: str) -> tuple[int, ...]:
+    """Decoder layer of each slot of the state array `field` for a model's `spec`."""
+    return _BY_FIELD[field].layer_indices(_KIND_OF[field].spec(spec))
+
+
+def named_arrays(holder) -> dict[str, torch.Tensor]:
+    """The arrays a state (or a rank's slice) holds, by storage name, in `STATE_ARRAYS` order."""
+    named = {a.storage_name: getattr(holder, a.field, None) for a in STATE_ARRAYS}
+    return {name: tensor for name, tensor in named.items() if tensor is not None}
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 def allocate_state_arrays(
     spec: StateSpec, *, num_tokens: int, num_checkpoints: int, dtype, device
 ) -> dict[str, torch.Tensor | None]:
-    """Every array of `STATE_ARRAYS`, allocated for the kinds the model has (None otherwise)."""
-    arrays: dict[str, torch.Tensor | None] = dict.fromkeys(STATE_ARRAYS)
+    """Every array of `STATE_ARRAYS` by field, allocated for the kinds the model has (None
+    otherwise)."""
+    arrays: dict[str, torch.Tensor | None] = dict.fromkeys(STATE_FIELDS)
     for kind in LAYER_KINDS:
         sub = kind.spec(spec)
         if sub is not None:
@@ -564,10 +664,18 @@ def prefill_layers(
 
 
 def sweep_layers(
-    state, cotangent, *, prefix_end: int, checkpoint: int, leaves: dict, kind_kwargs: dict
+    state,
+    cotangent,
+    *,
+    prefix_end: int,
+    checkpoint: int,
+    leaves: dict,
+    record: Record,
+    kind_kwargs: dict | None = None,
 ) -> list:
     """[num_layers] the cache layers the reverse sweep recomputes one shard with
-    (`LayerKind.sweep_layer`); `kind_kwargs` carry each kind's capture hooks."""
+    (`LayerKind.sweep_layer`), handing the shard's new state to `record`; `kind_kwargs` as in
+    `branch_layers` (a cross-rank layer class and its process group)."""
     layers: list = [None] * state.spec.num_layers
     for kind in LAYER_KINDS:
         for slot, layer_idx in kind.slots(state.spec):
@@ -579,13 +687,14 @@ def sweep_layers(
                 prefix_end=prefix_end,
                 checkpoint=checkpoint,
                 leaves=leaves,
+                **kind.output_hooks(state.spec, slot, record),
                 **_extra(kind_kwargs, kind, slot),
             )
     return layers
 
 
 def segment_layers(
-    prompt, branch, k: int, *, prompt_cotangent, branch_cotangent, leaves: dict, on_update
+    prompt, branch, k: int, *, prompt_cotangent, branch_cotangent, leaves: dict, on_update: Record
 ) -> list:
     """[num_layers] the cache layers segment k of a long branch runs with
     (`LayerKind.segment_layer`); `leaves` receives each kind's leaves by its field and slot."""
@@ -604,6 +713,21 @@ def segment_layers(
                 on_update=on_update,
             )
     return layers
+
+
+def state_writer(state, rows: slice, checkpoint: int) -> Record:
+    """A `Record` that stores a span's new state into `state`: per-token arrays at positions
+    `rows`, checkpoint arrays at entry `checkpoint` (prefill shards, branch segments)."""
+
+    def write(entries: list[tuple[StateArray, int, torch.Tensor]]) -> None:
+        for array, slot, tensor in entries:
+            target = getattr(state, array.field)
+            if array.per_token:
+                target[slot, rows] = tensor
+            else:
+                target[slot, checkpoint] = tensor
+
+    return write
 
 
 def _extra(kind_kwargs: dict | None, kind: LayerKind, slot: int) -> dict:

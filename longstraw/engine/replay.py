@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
 from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
-from longstraw.engine.layer_kinds import branch_layers
+from longstraw.engine.layer_kinds import COTANGENT_ARRAYS, branch_layers, nbytes
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
@@ -52,24 +52,22 @@ class PromptCotangent:
     def zeros_like_state(cls, state: PrefixState) -> PromptCotangent:
         if state.tiers is not None:
             return state.tiers.cotangent()  # per-token parts in the state's lower tier
+        return cls.zeros_for(state, *state.final_linear_state_all())
+
+    @classmethod
+    def zeros_for(cls, state, final_conv, final_recurrent) -> PromptCotangent:
+        """Zero fp32 cotangents of `state`'s per-token arrays (a whole state or a rank's slice)
+        and of a linear-attention state shaped like `final_conv` [L, C, W] /
+        `final_recurrent` [L, H, Dk, Dv] (None: no such layers)."""
 
         def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
-        conv = None if state.conv is None else zeros(state.conv[:, 0])
-        recurrent = None if state.recurrent is None else zeros(state.recurrent[:, 0])
-        return cls(
-            zeros(state.keys),
-            zeros(state.values),
-            conv,
-            recurrent,
-            zeros(state.latent),
-            zeros(state.rope_key),
-        )
+        parts = {a.field: zeros(getattr(state, a.field)) for a in COTANGENT_ARRAYS if a.per_token}
+        return cls(conv=zeros(final_conv), recurrent=zeros(final_recurrent), **parts)
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.conv, self.recurrent, self.latent, self.rope_key)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return nbytes(getattr(self, a.field) for a in COTANGENT_ARRAYS)
 
 
 @dataclass

@@ -38,10 +38,15 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.cache import StateCache
-from longstraw.engine.layer_kinds import segment_layers
+from longstraw.engine.layer_kinds import Record, segment_layers, state_writer
+from longstraw.engine.recomputed_span import (
+    SpanOutputs,
+    backward_recomputed_span,
+    require_equal,
+    take_start_cotangent,
+)
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.state import PrefixState
-from longstraw.engine.sweep import RecomputedStateMismatchError
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
 
@@ -84,7 +89,7 @@ def _segment_cache(
     *,
     prompt_cotangent: PromptCotangent | None,
     branch_cotangent: PromptCotangent | None,
-    on_update: Callable[[str, int], Callable[..., None]],
+    on_update: Record,
 ) -> tuple[StateCache, dict[str, dict[int, tuple[torch.Tensor, ...]]]]:
     """The cache of segment k and, with autograd (`branch_cotangent` given), its leaves by
     kind (`LayerKind.segment_layer`): {"linear_attention": {slot: (conv, recurrent)} at the
@@ -103,40 +108,14 @@ def _segment_cache(
     return StateCache(layers, position_offset=prompt.num_tokens + a), leaves
 
 
-def _writer(branch: PrefixState, k: int) -> Callable[[str, int], Callable[..., None]]:
-    """Callbacks that store segment k's new state into the branch state (no autograd)."""
+def _writer(branch: PrefixState, k: int) -> Record:
+    """Stores segment k's new state into the branch state (no autograd)."""
     a, b = branch.bounds[k]
-    mla = branch.spec.mla
-
-    def on_update(kind: str, slot: int) -> Callable[..., None]:
-        def write(*tensors: torch.Tensor) -> None:
-            if kind == "kv":
-                branch.keys[slot, a:b] = tensors[0][0].transpose(0, 1)
-                branch.values[slot, a:b] = tensors[1][0].transpose(0, 1)
-            elif kind == "conv":
-                branch.conv[slot, k + 1] = tensors[0][0]
-            elif kind == "recurrent":
-                branch.recurrent[slot, k + 1] = tensors[0][0]
-            else:
-                branch.latent[slot, a:b] = tensors[0][0]
-                branch.rope_key[slot, a:b] = tensors[1][0]
-                layer_idx = mla.layer_indices[slot]
-                if layer_idx in mla.indexer_layer_indices:
-                    branch.indexer_key[mla.indexer_slot(layer_idx), a:b] = tensors[2][0]
-
-        return write
-
-    return on_update
+    return state_writer(branch, slice(a, b), k + 1)
 
 
-def _require_equal(what: str, recomputed: torch.Tensor, stored: torch.Tensor, k: int) -> None:
-    if not torch.equal(recomputed.detach(), stored):
-        diff = (recomputed.detach().float() - stored.float()).abs()
-        raise RecomputedStateMismatchError(
-            f"branch segment {k}: recomputed {what} differs from the forward's "
-            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); "
-            "run with deterministic kernels"
-        )
+# A mismatch between a segment's two forwards: a kernel that is not deterministic.
+_SEGMENT_REMEDY = "run with deterministic kernels"
 
 
 def segmented_branch_backward(
@@ -175,20 +154,8 @@ def _segment_backward(
     model, prompt, branch, k, response, input_ids, grad_logp, logp, temperature, cotangent, bcot
 ) -> None:
     """Recompute segment k with autograd, check it, backpropagate its outputs' cotangents."""
-    spec = prompt.spec
     a, b = branch.bounds[k]
-    outputs: list[tuple[str, int, torch.Tensor]] = []
-
-    def capture(kind: str, slot: int) -> Callable[..., None]:
-        def record(*tensors: torch.Tensor) -> None:
-            names = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}
-            kinds = names.get(kind, (kind,))
-            outputs.extend(
-                (n, slot, t) for n, t in zip(kinds, tensors, strict=True) if t is not None
-            )
-
-        return record
-
+    outputs = SpanOutputs()
     with torch.enable_grad():
         cache, leaves = _segment_cache(
             prompt,
@@ -196,41 +163,27 @@ def _segment_backward(
             k,
             prompt_cotangent=cotangent,
             branch_cotangent=bcot,
-            on_update=capture,
+            on_update=outputs,
         )
         logits = replay_logits(model, prompt, input_ids[a:b].unsqueeze(0), cache)
         logp_seg = token_logprobs(logits, response[a:b].unsqueeze(0), temperature)[0]
         del logits
-    _require_equal("log-probs", logp_seg, logp[a:b], k)
-    tensors, grads = [logp_seg], [grad_logp[a:b].to(logp_seg.dtype)]
-    for kind, slot, tensor in outputs:
-        if kind in ("k", "v"):
-            stored = (branch.keys if kind == "k" else branch.values)[slot, a:b]
-            cot = (bcot.keys if kind == "k" else bcot.values)[slot, a:b]
-            recomputed = tensor[0].transpose(0, 1)
-        elif kind in ("latent", "rope_key"):
-            stored, cot = getattr(branch, kind)[slot, a:b], getattr(bcot, kind)[slot, a:b]
-            recomputed = tensor[0]
-        elif kind == "indexer_key":
-            layer_idx = spec.mla.layer_indices[slot]
-            stored = branch.indexer_key[spec.mla.indexer_slot(layer_idx), a:b]
-            cot, recomputed = None, tensor[0]
-        else:
-            stored = getattr(branch, kind)[slot, k + 1]
-            cot, recomputed = getattr(bcot, kind)[slot], tensor[0]
-        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, k)
-        if cot is not None and recomputed.requires_grad:
-            tensors.append(recomputed)
-            grads.append(cot.to(recomputed.dtype))
-    torch.autograd.backward(tensors, grads)
-
+    require_equal(f"branch segment {k}: recomputed log-probs", logp_seg, logp[a:b], _SEGMENT_REMEDY)
+    backward_recomputed_span(
+        outputs,
+        branch,
+        bcot,
+        rows=slice(a, b),
+        end_checkpoint=k + 1,
+        what=f"branch segment {k}",
+        remedy=_SEGMENT_REMEDY,
+        extra=[(logp_seg, grad_logp[a:b])],
+    )
     for slot, (latent, rope) in leaves.get("mla", {}).items():
         if latent.grad is not None:
             bcot.latent[slot, :a] += latent.grad.float()
         if rope.grad is not None:
             bcot.rope_key[slot, :a] += rope.grad.float()
-    for slot, (conv, recurrent) in leaves.get("linear_attention", {}).items():
-        # The start state of segment k is read by nothing else: its cotangent replaces the
-        # end's (the caller hands that of the first segment on: parent node or prompt).
-        bcot.conv[slot] = 0.0 if conv.grad is None else conv.grad.float()
-        bcot.recurrent[slot] = 0.0 if recurrent.grad is None else recurrent.grad.float()
+    # The start state of segment k is read by nothing else: its cotangent replaces the end's
+    # (the caller hands that of the first segment on: parent node or prompt).
+    take_start_cotangent(leaves.get("linear_attention", {}), bcot)

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw.engine.layer_kinds import allocate_state_arrays
+from longstraw.engine.layer_kinds import (
+    CHECKPOINT_ARRAYS,
+    TOKEN_ARRAYS,
+    allocate_state_arrays,
+    named_arrays,
+    nbytes,
+    state_array_by_storage_name,
+)
 from longstraw.models.adapters import StateSpec
 
 
@@ -101,6 +108,13 @@ class PrefixState:
         """([C, W], [H, Dk, Dv]) Gated DeltaNet layer `slot`'s state after the whole prompt."""
         return self.conv[slot, self.num_shards], self.recurrent[slot, self.num_shards]
 
+    def final_linear_state_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([L, C, W], [L, H, Dk, Dv]) every Gated DeltaNet layer's state after the prompt
+        ((None, None) without such layers)."""
+        if self.conv is None:
+            return None, None
+        return self.conv[:, self.num_shards], self.recurrent[:, self.num_shards]
+
     @classmethod
     def from_tensors(
         cls,
@@ -111,15 +125,17 @@ class PrefixState:
         tensors: dict[str, torch.Tensor],
     ) -> PrefixState:
         """A state around existing arrays (read back from storage), by their `tensors()` names."""
+        fields = {state_array_by_storage_name(name).field: t for name, t in tensors.items()}
         return cls(
             spec,
             prompt_ids.cpu(),
             shard_tokens,
             shard_bounds(prompt_ids.numel() - 1, shard_tokens),
-            tensors.get("full_attention/k"),
-            tensors.get("full_attention/v"),
-            tensors.get("linear_attention/conv"),
-            tensors.get("linear_attention/recurrent"),
+            fields.pop("keys", None),
+            fields.pop("values", None),
+            fields.pop("conv", None),
+            fields.pop("recurrent", None),
+            **fields,
         )
 
     def prefix_keys(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
@@ -141,24 +157,12 @@ class PrefixState:
 
     def state_bytes(self) -> int:
         """Bytes of the per-token part (K/V, MLA latents): what grows with the prompt."""
-        per_token = (self.keys, self.values, self.latent, self.rope_key, self.indexer_key)
-        return sum(t.numel() * t.element_size() for t in per_token if t is not None)
+        return nbytes(getattr(self, a.field) for a in TOKEN_ARRAYS)
 
     def checkpoint_bytes(self) -> int:
         """Bytes of the per-shard linear-attention checkpoints (host memory)."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None
-        )
+        return nbytes(getattr(self, a.field) for a in CHECKPOINT_ARRAYS)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's arrays by storage name (docs/design.md, "Storage")."""
-        named = {
-            "full_attention/k": self.keys,
-            "full_attention/v": self.values,
-            "linear_attention/conv": self.conv,
-            "linear_attention/recurrent": self.recurrent,
-            "mla/latent": self.latent,
-            "mla/rope_key": self.rope_key,
-            "mla/indexer_key": self.indexer_key,
-        }
-        return {name: tensor for name, tensor in named.items() if tensor is not None}
+        return named_arrays(self)

@@ -41,18 +41,13 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_chunk_tokens
+from longstraw.engine.layer_kinds import TOKEN_ARRAYS, array_layer_indices
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
 from longstraw.schemas.results import StateTraffic
 
 # PrefixState fields that grow with the prompt, and whether exact mode keeps a cotangent of them.
-STREAMED_FIELDS = {
-    "keys": True,
-    "values": True,
-    "latent": True,
-    "rope_key": True,
-    "indexer_key": False,
-}
+STREAMED_FIELDS = {a.field: a.has_cotangent for a in TOKEN_ARRAYS}
 
 
 class HostTier:
@@ -472,15 +467,6 @@ def state_traffic(state) -> StateTraffic | None:
     )
 
 
-def _layer_indices(state: PrefixState, name: str) -> tuple[int, ...]:
-    spec = state.spec
-    if name in ("keys", "values"):
-        return spec.full_attention.layer_indices
-    if name == "indexer_key":
-        return spec.mla.indexer_layer_indices
-    return spec.mla.layer_indices
-
-
 class TieredState:
     """A `PrefixState` whose per-token arrays live in a lower tier (`tier_state`)."""
 
@@ -492,13 +478,10 @@ class TieredState:
         """A zero `PromptCotangent` whose per-token parts live in the lower tier too."""
         from longstraw.engine.replay import PromptCotangent
 
-        plain = replace(self.state, keys=None, values=None, latent=None, rope_key=None)
-        dense = PromptCotangent.zeros_like_state(replace(plain, tiers=None))
-        parts = {
-            name: self.store.arrays.get(f"d{name}")
-            for name in ("keys", "values", "latent", "rope_key")
-        }
-        return replace(dense, **parts)
+        streamed = [name for name, has_cotangent in STREAMED_FIELDS.items() if has_cotangent]
+        plain = replace(self.state, tiers=None, **dict.fromkeys(streamed))
+        dense = PromptCotangent.zeros_like_state(plain)
+        return replace(dense, **{name: self.store.arrays.get(f"d{name}") for name in streamed})
 
     def close(self) -> None:
         self.store.close()
@@ -588,7 +571,7 @@ def tiered_from_sources(
         return store.arrays[name]
 
     for name, (tier, shape, dtype) in sources.items():
-        indices = _layer_indices(base, name)
+        indices = array_layer_indices(base.spec, name)
         fields[name] = add(name, tier, shape, dtype, False, indices)
         if exact and STREAMED_FIELDS[name]:
             dtier = _lower_tier(lower, shape, torch.float32, directory)

@@ -28,8 +28,13 @@ from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.recomputed_span import (
+    SpanOutputs,
+    backward_recomputed_span,
+    take_start_cotangent,
+)
 from longstraw.engine.replay import PromptCotangent
-from longstraw.engine.state import PrefixState, stored_slice
+from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS, rows_recomputed_in_blocks
 
@@ -37,21 +42,6 @@ from longstraw.ops.blockwise_backward import BLOCK_TOKENS, rows_recomputed_in_bl
 SWEEP_BLOCK_TOKENS = BLOCK_TOKENS
 # Set on the MLP forwards the sweep installs, so a nested `sweep_forward` does not wrap them twice.
 _MARK = "longstraw_blockwise"
-
-
-class RecomputedStateMismatchError(RuntimeError):
-    """The recomputed shard did not reproduce the stored prompt state bitwise (a state whose
-    recorded key does not match is `longstraw.storage.errors.StateKeyMismatchError`)."""
-
-
-def _require_equal(name: str, recomputed: torch.Tensor, stored: torch.Tensor, shard: int) -> None:
-    if not torch.equal(recomputed.detach(), stored):
-        diff = (recomputed.detach().float() - stored.float()).abs()
-        raise RecomputedStateMismatchError(
-            f"shard {shard}: recomputed {name} differs from the stored prompt state "
-            f"(max_diff {diff.max().item():.3e}, mean_diff {diff.mean().item():.3e}); the state was "
-            "computed with other weights, dtype or kernels: recompute the prefill"
-        )
 
 
 # True while a shard's backward runs: layer checkpoints then recompute only to restore saved
@@ -178,86 +168,33 @@ def sweep_prompt_shards(
             after_shard(shard)
 
 
+# What a mismatch between the recomputed and the stored prompt state means.
+STATE_MISMATCH_REMEDY = (
+    "the state was computed with other weights, dtype or kernels: recompute the prefill"
+)
+
+
 def _sweep_shard(
     model: PreTrainedModel, state: PrefixState, cotangent: PromptCotangent, shard: int
 ) -> None:
     """Recompute shard `shard` with autograd, check it, and backpropagate its cotangents."""
-    spec = state.spec
     start, end = state.bounds[shard]
-    outputs: list[tuple[str, int, torch.Tensor]] = []
-    seen: set[tuple[str, int]] = set()
-
-    def capture(kind: str, slot: int) -> Callable[..., None]:
-        def record(*tensors: torch.Tensor) -> None:
-            # Layer recomputation during backward calls the cache again: keep the first forward's.
-            if (kind, slot) in seen:
-                return
-            seen.add((kind, slot))
-            kinds = {"kv": ("k", "v"), "mla": ("latent", "rope_key", "indexer_key")}.get(
-                kind, (kind,)
-            )
-            outputs.extend(
-                (k, slot, t) for k, t in zip(kinds, tensors, strict=True) if t is not None
-            )
-
-        return record
-
+    outputs = SpanOutputs()
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     layers = sweep_layers(
-        state,
-        cotangent,
-        prefix_end=start,
-        checkpoint=shard,
-        leaves=leaves,
-        kind_kwargs={
-            "full_attention": lambda slot: {"on_update": capture("kv", slot)},
-            "linear_attention": lambda slot: {
-                "on_conv": capture("conv", slot),
-                "on_recurrent": capture("recurrent", slot),
-            },
-            "mla": lambda slot: {"on_update": capture("mla", slot)},
-        },
+        state, cotangent, prefix_end=start, checkpoint=shard, leaves=leaves, record=outputs
     )
-
     with torch.enable_grad(), sweep_forward(model), layerwise_recompute(model):
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
-
-    tensors, grads = [], []
-    for kind, slot, tensor in outputs:
-        if kind == "k":
-            stored = stored_slice(state.keys, slot, start, end)
-            cot = stored_slice(cotangent.keys, slot, start, end)
-            recomputed = tensor[0].transpose(0, 1)
-        elif kind == "v":
-            stored = stored_slice(state.values, slot, start, end)
-            cot = stored_slice(cotangent.values, slot, start, end)
-            recomputed = tensor[0].transpose(0, 1)
-        elif kind in ("latent", "rope_key"):
-            stored = stored_slice(getattr(state, kind), slot, start, end)
-            cot = stored_slice(getattr(cotangent, kind), slot, start, end)
-            recomputed = tensor[0]
-        elif kind == "indexer_key":
-            # No cotangent: the indexer runs under no_grad (checked, never backpropagated).
-            layer_idx = spec.mla.layer_indices[slot]
-            stored = stored_slice(state.indexer_key, spec.mla.indexer_slot(layer_idx), start, end)
-            cot, recomputed = None, tensor[0]
-        elif kind == "conv":
-            stored, cot = state.conv[slot, shard + 1], cotangent.conv[slot]
-            recomputed = tensor[0]
-        else:
-            stored, cot = state.recurrent[slot, shard + 1], cotangent.recurrent[slot]
-            recomputed = tensor[0]
-        _require_equal(f"{kind} of state slot {slot}", recomputed, stored, shard)
-        if recomputed.requires_grad:
-            tensors.append(recomputed)
-            grads.append(cot.to(recomputed.dtype))
-    if tensors:
-        with _mlp_skipped_in_layer_recompute():
-            torch.autograd.backward(tensors, grads)
-    # The start state of this shard is read by nothing else: its cotangent replaces the end's.
-    for slot, (conv_leaf, recurrent_leaf) in leaves.items():
-        cotangent.conv[slot] = 0.0 if conv_leaf.grad is None else conv_leaf.grad.float()
-        cotangent.recurrent[slot] = (
-            0.0 if recurrent_leaf.grad is None else recurrent_leaf.grad.float()
+    with _mlp_skipped_in_layer_recompute():
+        backward_recomputed_span(
+            outputs,
+            state,
+            cotangent,
+            rows=slice(start, end),
+            end_checkpoint=shard + 1,
+            what=f"shard {shard}",
+            remedy=STATE_MISMATCH_REMEDY,
         )
+    take_start_cotangent(leaves, cotangent)

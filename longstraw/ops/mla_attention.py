@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from longstraw.ops.partial_attention import merge_partial_attention
+
 
 def split_kv_b_weight(kv_b_weight: Tensor, num_heads: int, nope_dim: int) -> tuple[Tensor, Tensor]:
     """`kv_b_proj.weight` [H * (N + V), R] -> (W_uk [H, N, R], W_uv [H, V, R]) as views."""
@@ -143,16 +145,6 @@ def _branch_partial(q_lat_BHSR, q_rot_BHSE, lat_BXR, rope_BXE, keep_B1SX, scale)
     return out, lse
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partials over disjoint keys (one side may be empty: lse -inf)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = torch.exp(lse_a - lse)[..., None]
-    weight_b = torch.exp(lse_b - lse)[..., None]
-    return torch.where(weight_a > 0, weight_a * out_a, 0.0) + torch.where(
-        weight_b > 0, weight_b * out_b, 0.0
-    )
-
-
 def latent_attention(
     q_lat_BHSR: Tensor,
     q_rot_BHSE: Tensor,
@@ -184,7 +176,7 @@ def latent_attention(
     out_p, lse_p = _PrefixLatentAttention.apply(
         q_lat, q_rot, prefix_latent_TR, prefix_rope_TE, selected_BSK, scale, chunk_size, grads
     )
-    return _merge(out_p, lse_p, out, lse)
+    return merge_partial_attention(out_p, lse_p, out, lse)[0]
 
 
 def branch_latent_partial(

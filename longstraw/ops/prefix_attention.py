@@ -26,25 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-
-def merge_partial_attention(
-    out_a_BHRV: Tensor, lse_a_BHR: Tensor, out_b_BHRV: Tensor, lse_b_BHR: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Merge two softmax attentions over disjoint key sets by log-sum-exp; returns (out, lse).
-
-    Each partial is normalised over its own keys; lse = -inf marks a partial with no keys (its
-    out is ignored). At least one side must have keys for every row. Works for any leading
-    shape; compute in fp32 or wider.
-    """
-    lse_BHR = torch.logaddexp(lse_a_BHR, lse_b_BHR)
-    weight_a_BHR1 = torch.exp(lse_a_BHR - lse_BHR)[..., None]
-    weight_b_BHR1 = torch.exp(lse_b_BHR - lse_BHR)[..., None]
-    # where(): an empty partial may carry NaN/garbage in out, and 0 * NaN is NaN.
-    out_BHRV = torch.where(weight_a_BHR1 > 0, weight_a_BHR1 * out_a_BHRV, 0.0) + torch.where(
-        weight_b_BHR1 > 0, weight_b_BHR1 * out_b_BHRV, 0.0
-    )
-    return out_BHRV, lse_BHR
-
+from longstraw.ops.partial_attention import merge_partial_attention
 
 # --------------------------------------------------------------------------------------------
 # Forward pieces. One query chunk arrives pre-scaled (q * scale, so scores need no extra pass)

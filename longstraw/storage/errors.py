@@ -8,7 +8,7 @@ class StateNotCommittedError(FileNotFoundError):
 class StateKeyMismatchError(ValueError):
     """What a stored state was computed from (weights, policy version, shard size, layout: its
     key) is not what this reader or writer expects. The engine's check that a recomputed shard
-    reproduces the stored bytes is `longstraw.engine.sweep.RecomputedStateMismatchError`."""
+    reproduces the stored bytes is `longstraw.engine.recomputed_span.RecomputedStateMismatchError`."""
 
 
 class StateIntegrityError(ValueError):

@@ -407,14 +407,8 @@ def backward_group(
             record.response_ids,
             advantages,
             config.grpo,
-            shard_tokens=config.engine.shard_tokens,
-            prompt_grad=config.engine.prompt_grad,
+            config.engine,
             grad_buffer=grads,
-            branch_segment_tokens=config.engine.branch_segment_tokens,
-            share_prefixes=config.engine.share_response_prefixes,
-            state_budget_bytes=config.engine.state_budget_bytes,
-            state_tier=config.engine.state_tier,
-            state_dir=config.engine.state_dir,
             **kwargs,
         )
     else:

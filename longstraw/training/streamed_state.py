@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.layer_kinds import state_array_by_storage_name
 from longstraw.engine.state import PrefixState, shard_bounds
 from longstraw.engine.state_tiers import TieredState, tiered_for_group, tiered_from_sources
 from longstraw.models.adapters import state_spec
@@ -30,16 +31,6 @@ def budgeted_state(engine, model: PreTrainedModel, state: PrefixState) -> Iterat
         model, state, engine.state_budget_bytes, engine.state_tier, engine.state_dir, exact=False
     ) as tiered:
         yield tiered
-
-
-# Storage array names of the per-token arrays -> PrefixState fields.
-TOKEN_FIELDS = {
-    "full_attention/k": "keys",
-    "full_attention/v": "values",
-    "mla/latent": "latent",
-    "mla/rope_key": "rope_key",
-    "mla/indexer_key": "indexer_key",
-}
 
 
 def tier_committed_state(
@@ -70,7 +61,10 @@ def tier_committed_state(
         streamed.checkpoints.get("linear_attention/conv"),
         streamed.checkpoints.get("linear_attention/recurrent"),
     )
-    sources = {TOKEN_FIELDS[name]: source for name, source in streamed.token_tiers.items()}
+    sources = {
+        state_array_by_storage_name(name).field: source
+        for name, source in streamed.token_tiers.items()
+    }
     return tiered_from_sources(
         model,
         base,

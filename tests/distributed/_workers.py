@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from longstraw.schemas.run import EngineConfig
+
 SEED = 42
 RESPONSE_LENS = (7, 12)
 
@@ -168,7 +170,7 @@ def compare_with_single_process(
         want = GradBuffer(model)
         stats = accumulate_group_gradients(
             model, reference, responses, advantages, config,
-            shard_tokens=shard_tokens, prompt_grad=mode, grad_buffer=want,
+            EngineConfig(shard_tokens=shard_tokens, prompt_grad=mode), grad_buffer=want,
         )  # fmt: skip
         got, logps = sharded_group_gradients(
             model, local, responses, advantages, config, prompt_grad=mode
@@ -325,7 +327,7 @@ def data_parallel_reference(
     for prompt, responses, advantages in batches:
         accumulate_group_gradients(
             reference, prompt, responses, advantages, GRPOConfig(beta=0.0),
-            shard_tokens=shard_tokens, prompt_grad=prompt_grad, grad_buffer=want,
+            EngineConfig(shard_tokens=shard_tokens, prompt_grad=prompt_grad), grad_buffer=want,
         )  # fmt: skip
     for grad in want.grads.values():
         grad /= data

@@ -21,6 +21,7 @@ from float64 import float64_computation, relative_errors
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 REL_FLOOR = 1e-4
 TIMES_TRANSFORMERS = 10.0
@@ -137,8 +138,7 @@ def float64_comparison(
         responses,
         advantages,
         cfg,
-        shard_tokens=shard_tokens,
-        prompt_grad=prompt_grad,
+        EngineConfig(shard_tokens=shard_tokens, prompt_grad=prompt_grad),
         grad_buffer=buffer,
     )
     return buffer.grads, transformers32, truth

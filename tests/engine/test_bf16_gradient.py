@@ -23,6 +23,7 @@ from engine_helpers import (
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 BF16_RMS_TOL = 2e-2
 BF16_PER_PARAM_RMS_TOL = 5e-2
@@ -45,8 +46,7 @@ def test_bf16_exact_gradient_matches_fp32_full_sequence(tiny_model, family):
             responses,
             advantages,
             cfg,
-            shard_tokens=50,
-            prompt_grad=mode,
+            EngineConfig(shard_tokens=50, prompt_grad=mode),
             grad_buffer=buffers[mode],
         )
     exact = buffers["exact"].grads

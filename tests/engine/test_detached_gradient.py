@@ -30,6 +30,7 @@ from engine_helpers import (
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 PROMPT_LEN = 301  # T = 300 = 4 * 64 + 44: the last shard is short
 SHARD_TOKENS = 64
@@ -65,8 +66,7 @@ def test_detached_gradient_matches_transformers_cached_path(tiny_model, family, 
         responses,
         advantages,
         cfg,
-        shard_tokens=SHARD_TOKENS,
-        prompt_grad="detached",
+        EngineConfig(shard_tokens=SHARD_TOKENS, prompt_grad="detached"),
     )
     actual = take_grads(model)
     assert stats.prompt_grad == "detached" and stats.cotangent_bytes == 0
@@ -83,7 +83,12 @@ def test_detached_gradient_differs_from_the_exact_one(tiny_model, family):
     grads = {}
     for mode in ("detached", "exact"):
         accumulate_group_gradients(
-            model, prompt, responses, advantages, cfg, shard_tokens=SHARD_TOKENS, prompt_grad=mode
+            model,
+            prompt,
+            responses,
+            advantages,
+            cfg,
+            EngineConfig(shard_tokens=SHARD_TOKENS, prompt_grad=mode),
         )
         grads[mode] = take_grads(model)
     # K projections of full-attention layers get most of their gradient through the prompt.

@@ -21,6 +21,7 @@ from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import branch_logprobs
 from longstraw.models.factory import build_config
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 CFG = GRPOConfig(loss_type="grpo")
 
@@ -36,8 +37,8 @@ def group(llama):
 
 
 def _accumulate(model, prompt, responses, advantages, **kwargs):
-    kwargs.setdefault("shard_tokens", 8)
-    return accumulate_group_gradients(model, prompt, responses, advantages, CFG, **kwargs)
+    engine = EngineConfig(shard_tokens=8)
+    return accumulate_group_gradients(model, prompt, responses, advantages, CFG, engine, **kwargs)
 
 
 def test_empty_prompt_is_rejected(llama, group):
@@ -104,18 +105,24 @@ def test_old_ref_logprobs_and_masks_of_the_wrong_length_are_rejected(llama, grou
         _accumulate(llama, prompt, responses, advantages, loss_masks=[torch.ones(3), torch.ones(6)])
     with pytest.raises(ValueError, match=r"beta=0\.1 needs ref_logprobs"):
         accumulate_group_gradients(
-            llama, prompt, responses, advantages, GRPOConfig(beta=0.1), shard_tokens=8
+            llama, prompt, responses, advantages, GRPOConfig(beta=0.1), EngineConfig(shard_tokens=8)
         )
 
 
 def test_unknown_prompt_grad_and_bad_shard_size_are_rejected(llama, group):
     prompt, responses, advantages = group
-    with pytest.raises(ValueError, match=r"prompt_grad must be one of \('exact', 'detached'\)"):
-        _accumulate(llama, prompt, responses, advantages, prompt_grad="approximate")
+    with pytest.raises(ValueError, match=r"prompt_grad\n  Input should be 'exact' or 'detached'"):
+        EngineConfig(prompt_grad="approximate")
+    with pytest.raises(ValueError, match=r"engine must be a longstraw\.EngineConfig"):
+        accumulate_group_gradients(
+            llama, prompt, responses, advantages, CFG, {"prompt_grad": "approximate"}
+        )
     with pytest.raises(ValueError, match="shard_tokens must be >= 1"):
         prefill(llama, prompt, shard_tokens=0)
     with pytest.raises(ValueError, match="GRPOConfig"):
-        accumulate_group_gradients(llama, prompt, responses, advantages, {}, shard_tokens=8)
+        accumulate_group_gradients(
+            llama, prompt, responses, advantages, {}, EngineConfig(shard_tokens=8)
+        )
 
 
 def _llama_with(max_positions: int, rope_parameters: dict | None = None):

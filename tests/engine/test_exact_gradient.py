@@ -22,6 +22,7 @@ from engine_helpers import (
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 PROMPT_LEN = 257  # T = 256 = 4 * 60 + 16: not a multiple of the shard size
 SHARD_TOKENS = 60
@@ -30,7 +31,12 @@ RESPONSE_LENS = (9, 4, 13)
 
 def _exact(model, prompt, responses, advantages, cfg, shard_tokens):
     stats = accumulate_group_gradients(
-        model, prompt, responses, advantages, cfg, shard_tokens=shard_tokens, prompt_grad="exact"
+        model,
+        prompt,
+        responses,
+        advantages,
+        cfg,
+        EngineConfig(shard_tokens=shard_tokens, prompt_grad="exact"),
     )
     assert stats.prompt_grad == "exact"
     return take_grads(model), stats

@@ -24,6 +24,7 @@ from engine_helpers import (
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 PROMPT_LEN = 97  # T = 96 = 3 * 30 + 6
 SHARD_TOKENS = 30
@@ -46,8 +47,7 @@ def test_branch_accumulation_matches_one_batched_backward(tiny_model, family, pr
         responses,
         advantages,
         cfg,
-        shard_tokens=SHARD_TOKENS,
-        prompt_grad=prompt_grad,
+        EngineConfig(shard_tokens=SHARD_TOKENS, prompt_grad=prompt_grad),
     )
     assert stats.loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
     assert_grads_close(take_grads(model), expected, what=f"{family}/{prompt_grad}")
@@ -90,7 +90,7 @@ def test_off_policy_clipped_kl_masked_accumulation_matches_one_batched_backward(
         responses,
         advantages,
         cfg,
-        shard_tokens=SHARD_TOKENS,
+        EngineConfig(shard_tokens=SHARD_TOKENS),
         old_logprobs=olds,
         ref_logprobs=refs,
         loss_masks=masks,
@@ -109,20 +109,24 @@ def test_contribution_goes_to_the_grad_buffer_and_leaves_param_grads_alone(tiny_
     model = tiny_model(family)
     cfg = GRPOConfig(loss_type="dapo")
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
-    accumulate_group_gradients(model, prompt, responses, advantages, cfg, shard_tokens=40)
+    accumulate_group_gradients(
+        model, prompt, responses, advantages, cfg, EngineConfig(shard_tokens=40)
+    )
     contribution = take_grads(model)
 
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     buffer = GradBuffer(model)
     accumulate_group_gradients(
-        model, prompt, responses, advantages, cfg, shard_tokens=40, grad_buffer=buffer
+        model, prompt, responses, advantages, cfg, EngineConfig(shard_tokens=40), grad_buffer=buffer
     )
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, torch.ones_like(p)), f"{name}: .grad changed"
         assert torch.equal(buffer.grads[name], contribution[name]), f"{name}: buffer differs"
 
-    accumulate_group_gradients(model, prompt, responses, advantages, cfg, shard_tokens=40)
+    accumulate_group_gradients(
+        model, prompt, responses, advantages, cfg, EngineConfig(shard_tokens=40)
+    )
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, 1.0 + contribution[name]), f"{name}: not added exactly once"
 
@@ -138,7 +142,7 @@ def test_batch_normaliser_is_applied_once(tiny_model, loss_type, normaliser):
     cfg = GRPOConfig(loss_type=loss_type)
     prompt, responses, advantages = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
     alone = accumulate_group_gradients(
-        model, prompt, responses, advantages, cfg, shard_tokens=SHARD_TOKENS
+        model, prompt, responses, advantages, cfg, EngineConfig(shard_tokens=SHARD_TOKENS)
     )
     grads_alone = take_grads(model)
     count = sum(RESPONSE_LENS) if normaliser == "num_items_in_batch" else len(RESPONSE_LENS)
@@ -148,7 +152,7 @@ def test_batch_normaliser_is_applied_once(tiny_model, loss_type, normaliser):
         responses,
         advantages,
         cfg,
-        shard_tokens=SHARD_TOKENS,
+        EngineConfig(shard_tokens=SHARD_TOKENS),
         **{normaliser: 4 * count},
     )
     assert part.loss == pytest.approx(alone.loss / 4, rel=1e-6)

@@ -13,6 +13,7 @@ from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import branch_logprobs
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 # By module path: `import longstraw.engine.prefill as m` could bind a re-exported function.
 group_module = importlib.import_module("longstraw.engine.group")
@@ -42,14 +43,24 @@ def test_a_prefix_state_passed_in_is_used_without_a_second_prefill(
     prefills = _count_calls(monkeypatch, group_module, "prefill")
 
     from_state = accumulate_group_gradients(
-        model, state, responses, advantages, cfg, shard_tokens=30, prompt_grad=prompt_grad
+        model,
+        state,
+        responses,
+        advantages,
+        cfg,
+        EngineConfig(shard_tokens=30, prompt_grad=prompt_grad),
     )
     grads_from_state = take_grads(model)
     assert prefills == [], "a PrefixState was passed, yet the prompt was prefilled again"
     assert from_state.seconds.prefill == 0.0
 
     from_ids = accumulate_group_gradients(
-        model, prompt, responses, advantages, cfg, shard_tokens=30, prompt_grad=prompt_grad
+        model,
+        prompt,
+        responses,
+        advantages,
+        cfg,
+        EngineConfig(shard_tokens=30, prompt_grad=prompt_grad),
     )
     assert prefills == [1]
     assert from_ids.seconds.prefill > 0.0
@@ -71,8 +82,7 @@ def test_group_stats_report_timings_token_counts_and_bytes(tiny_model, prompt_gr
         responses,
         advantages,
         cfg,
-        shard_tokens=30,
-        prompt_grad=prompt_grad,
+        EngineConfig(shard_tokens=30, prompt_grad=prompt_grad),
         loss_masks=masks,
     )
     take_grads(model)

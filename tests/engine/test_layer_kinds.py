@@ -8,8 +8,15 @@ import typing
 import torch
 from transformers import AutoConfig
 
+from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine import layer_kinds
-from longstraw.engine.layer_kinds import LAYER_KINDS, STATE_ARRAYS, allocate_state_arrays
+from longstraw.engine.layer_kinds import (
+    LAYER_KINDS,
+    STATE_ARRAYS,
+    STATE_FIELDS,
+    allocate_state_arrays,
+)
+from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models import adapters
 from longstraw.models.adapters import StateSpec
@@ -33,7 +40,8 @@ def test_every_kind_of_the_state_spec_has_one_layer_kind():
     assert len(fields) == len(set(fields)) == 3
     assert set(fields) == _kind_fields()
     for kind in LAYER_KINDS:
-        for method in ("allocate", "branch_layer", "prefill_layer", "sweep_layer"):
+        methods = ("allocate", "output_hooks", "branch_layer", "prefill_layer", "sweep_layer")
+        for method in (*methods, "segment_layer"):
             assert getattr(type(kind), method) is not getattr(layer_kinds.LayerKind, method), (
                 f"{type(kind).__name__} does not define {method}"
             )
@@ -47,15 +55,28 @@ def test_allocated_arrays_are_the_state_fields_of_the_models_kinds(checkpoint_di
         arrays = allocate_state_arrays(
             spec, num_tokens=63, num_checkpoints=4, dtype=torch.float32, device="cpu"
         )
-        assert set(arrays) == set(STATE_ARRAYS)
-        for name in STATE_ARRAYS:
+        assert set(arrays) == set(STATE_FIELDS)
+        for name in STATE_FIELDS:
             stored, fresh = getattr(state, name), arrays[name]
             assert (stored is None) == (fresh is None), (family, name)
             if fresh is not None:
                 assert stored.shape == fresh.shape and stored.dtype == fresh.dtype, (family, name)
-        present = {name for name in STATE_ARRAYS if arrays[name] is not None}
+        present = {name for name in STATE_FIELDS if arrays[name] is not None}
         expected = {
             "qwen3_5": {"keys", "values", "conv", "recurrent"},
             "glm_moe_dsa": {"latent", "rope_key", "indexer_key"},
         }[family]
         assert present == expected, (family, present)
+
+
+def test_declared_arrays_are_fields_of_the_state_and_its_cotangent():
+    state_fields = {f.name for f in dataclasses.fields(PrefixState)}
+    cotangent_fields = {f.name for f in dataclasses.fields(PromptCotangent)}
+    sharded_fields = {f.name for f in dataclasses.fields(ShardedPrefixState)}
+    storage_names = [a.storage_name for a in STATE_ARRAYS]
+    assert len(set(storage_names)) == len(storage_names) == len(STATE_FIELDS)
+    for kind in LAYER_KINDS:
+        for array in kind.arrays:
+            assert array.storage_name.startswith(f"{kind.field}/") or kind.field == "mla"
+            assert array.field in state_fields and array.field in sharded_fields, array
+            assert (array.field in cotangent_fields) == array.has_cotangent, array

@@ -26,10 +26,11 @@ from engine_helpers import (
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
+from longstraw.engine.recomputed_span import RecomputedStateMismatchError
 from longstraw.engine.segmented_replay import segmented_branch_backward
-from longstraw.engine.sweep import RecomputedStateMismatchError
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 PROMPT_LEN = 41  # T = 40 = 2 * 16 + 8 over shards of 16
 SHARD_TOKENS = 16
@@ -70,11 +71,13 @@ def _engine_grads(
         responses,
         advantages,
         cfg,
-        shard_tokens=SHARD_TOKENS,
-        prompt_grad=mode,
+        EngineConfig(
+            shard_tokens=SHARD_TOKENS,
+            prompt_grad=mode,
+            branch_segment_tokens=segment,
+            share_response_prefixes=share_prefixes,
+        ),
         loss_masks=masks,
-        branch_segment_tokens=segment,
-        share_prefixes=share_prefixes,
     )
     return take_grads(model), stats
 
@@ -167,8 +170,7 @@ def test_segment_length_must_be_positive(tiny_model):
             responses,
             advantages,
             GRPOConfig(),
-            shard_tokens=SHARD_TOKENS,
-            branch_segment_tokens=0,
+            EngineConfig(shard_tokens=SHARD_TOKENS, branch_segment_tokens=0),
         )
 
 

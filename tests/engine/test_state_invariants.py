@@ -22,6 +22,7 @@ from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.replay import PromptCotangent, branch_logprobs, replay_branch
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 MODES = ["no_grad", "detached_backward", "exact_backward", "group_exact"]
 
@@ -39,8 +40,7 @@ def _replay(model, state, responses, advantages, mode: str) -> None:
             responses,
             advantages,
             GRPOConfig(loss_type="grpo"),
-            shard_tokens=state.shard_tokens,
-            prompt_grad="exact",
+            EngineConfig(shard_tokens=state.shard_tokens, prompt_grad="exact"),
         )
         return
     for response in responses:
@@ -187,9 +187,16 @@ def test_exact_mode_cotangent_is_fp32_kv_plus_constant_linear_state(tiny_model, 
     prompt, responses, advantages = random_group(97, (5, 3), vocab_of(model))
     state = prefill(model, prompt, shard_tokens=30)
     cfg = GRPOConfig(loss_type="grpo")
-    exact = accumulate_group_gradients(model, state, responses, advantages, cfg, shard_tokens=30)
+    exact = accumulate_group_gradients(
+        model, state, responses, advantages, cfg, EngineConfig(shard_tokens=30)
+    )
     detached = accumulate_group_gradients(
-        model, state, responses, advantages, cfg, shard_tokens=30, prompt_grad="detached"
+        model,
+        state,
+        responses,
+        advantages,
+        cfg,
+        EngineConfig(shard_tokens=30, prompt_grad="detached"),
     )
 
     def numel(name: str) -> int:

@@ -20,6 +20,7 @@ from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state_tiers import tier_state
 from longstraw.models import glm
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 # Full attention, the Qwen3.5 hybrid (Gated DeltaNet + full attention), GLM-5 MLA + DSA.
 FAMILIES = ("llama", "qwen3_5", "glm_moe_dsa")
@@ -67,7 +68,12 @@ def _assert_within_budget(tiered, budget: int) -> None:
 def _grads(model, state, prompt_grad, responses, advantages):
     cfg = GRPOConfig(loss_type="grpo")
     stats = accumulate_group_gradients(
-        model, state, responses, advantages, cfg, shard_tokens=SHARD_TOKENS, prompt_grad=prompt_grad
+        model,
+        state,
+        responses,
+        advantages,
+        cfg,
+        EngineConfig(shard_tokens=SHARD_TOKENS, prompt_grad=prompt_grad),
     )
     return take_grads(model), stats.branch_logprobs
 
@@ -234,11 +240,13 @@ def test_group_gradients_with_a_state_budget_match_the_resident_ones(
             responses,
             advantages,
             cfg,
-            shard_tokens=SHARD_TOKENS,
-            prompt_grad="detached",
-            state_budget_bytes=budget,
-            state_tier="disk",
-            state_dir=str(tmp_path),
+            EngineConfig(
+                shard_tokens=SHARD_TOKENS,
+                prompt_grad="detached",
+                state_budget_bytes=budget,
+                state_tier="disk",
+                state_dir=str(tmp_path),
+            ),
         )
         runs.append((take_grads(model), stats.branch_logprobs))
     assert runs[1][1] == runs[0][1]

@@ -18,10 +18,12 @@ from dsa_reference import transformers_stable_topk
 
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
+from longstraw.engine.recomputed_span import RecomputedStateMismatchError
 from longstraw.engine.replay import PromptCotangent, branch_logprobs
-from longstraw.engine.sweep import RecomputedStateMismatchError, sweep_prompt_shards
+from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 FAMILY = "glm_moe_dsa"
 SEED = 42
@@ -113,7 +115,12 @@ CONFIG = GRPOConfig(loss_type="grpo", num_generations=3, max_completion_length=1
 def _longstraw_grads(model, prompt, responses, advantages, mode, shard):
     model.zero_grad(set_to_none=True)
     accumulate_group_gradients(
-        model, prompt, responses, advantages, CONFIG, shard_tokens=shard, prompt_grad=mode
+        model,
+        prompt,
+        responses,
+        advantages,
+        CONFIG,
+        EngineConfig(shard_tokens=shard, prompt_grad=mode),
     )
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from longstraw.ops.attention_reference import naive_prefix_attention
-from longstraw.ops.prefix_attention import merge_partial_attention, prefix_cached_attention
+from longstraw.ops.partial_attention import merge_partial_attention
+from longstraw.ops.prefix_attention import prefix_cached_attention
 
 SEED = 42
 # fp32 reorderings (chunked online softmax vs one softmax): STYLE.md tolerances.

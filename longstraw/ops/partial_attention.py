@@ -209,16 +209,27 @@ def causal_partial_backward(
 
 
 def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Exact softmax over the union of disjoint key sets from per-set (out, lse), in list order.
+    """Exact softmax over the union of disjoint key sets from per-set (out, lse): the one
+    log-sum-exp merge of LongStraw, for a prefix and a branch on one process and for the
+    partials of several ranks alike. Returns (out, lse); any leading shape, fp32 or wider.
 
-    A partial with lse = -inf has no keys; its out is ignored (it may hold garbage). At least one
-    partial must have keys for every row. Fixed order: the same inputs give the same bits.
+    Each partial is normalised over its own keys; lse = -inf marks a partial with no keys (its
+    out is ignored: it may hold garbage, and 0 * NaN is NaN). At least one partial must have
+    keys for every row. The weights come from the global lse, so an empty partial anywhere in
+    the list leaves the bits unchanged; fixed order: the same inputs give the same bits.
     """
     lse_NBHR = torch.stack(lses)
     lse_BHR = torch.logsumexp(lse_NBHR, dim=0)
     weight_NBHR1 = torch.exp(lse_NBHR - lse_BHR)[..., None]
     out_NBHRV = torch.where(weight_NBHR1 > 0, weight_NBHR1 * torch.stack(outs), 0.0)
     return out_NBHRV.sum(dim=0), lse_BHR
+
+
+def merge_partial_attention(
+    out_a_BHRV: Tensor, lse_a_BHR: Tensor, out_b_BHRV: Tensor, lse_b_BHR: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`merge_partials` of two partials (out, lse): (out, lse)."""
+    return merge_partials([out_a_BHRV, out_b_BHRV], [lse_a_BHR, lse_b_BHR])
 
 
 def naive_partial(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.distributed.partial_attention import (
+from longstraw.ops.partial_attention import (
     causal_partial,
     causal_partial_backward,
     merge_partials,
@@ -120,7 +120,7 @@ def test_decode_step_merged_over_rank_partials_matches_single_process_decode_att
 
 def test_fused_prefix_partial_matches_the_chunked_loop_and_the_naive_softmax():
     # V = D (as in every K/V family here): the CPU flash kernel computes the partial.
-    from longstraw.distributed.partial_attention import _chunked_partial, _flash_applies
+    from longstraw.ops.partial_attention import _chunked_partial, _flash_applies
 
     gen = torch.Generator().manual_seed(SEED)
     q = torch.randn(B, H, R, D, generator=gen) * D**-0.5
@@ -148,7 +148,7 @@ def test_fused_prefix_partial_matches_the_chunked_loop_and_the_naive_softmax():
 
 def test_fused_causal_partial_matches_the_materialised_causal_softmax():
     # X = R and V = D: the CPU flash kernel (top-left causal mask) computes the branch part.
-    from longstraw.distributed import partial_attention
+    from longstraw.ops import partial_attention
 
     gen = torch.Generator().manual_seed(SEED)
     q = torch.randn(B, H, R, D, generator=gen) * D**-0.5
