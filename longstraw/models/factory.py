@@ -29,6 +29,8 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_5", "qwen3_next", "glm_moe
 SIZES: tuple[str, ...] = ("tiny", "small")
 
 _VOCAB = {"tiny": 512, "small": 2048}
+MAX_POSITIONS = 4_194_304 + 4096
+"""Positions a built checkpoint accepts: the longest synthetic prompt plus a response."""
 _EOS_ID = 0  # the tokenizer's first special token, <|endoftext|>
 
 
@@ -82,7 +84,9 @@ def build_config(family: Family, size: Size = "tiny") -> PretrainedConfig:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     common = dict(
         vocab_size=_VOCAB[size],
-        max_position_embeddings=131072,
+        # Random weights have no trained position range; the limit is the synthetic task's longest
+        # prompt (HaystackTaskConfig.num_prompt_tokens), so million-token runs pass check_positions.
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -151,3 +151,16 @@ def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
     path = init_model("qwen3_5", "tiny", tmp_path / "bf16", seed=SEED, dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(str(path))
     assert model.dtype == torch.bfloat16
+
+
+def test_built_checkpoints_accept_a_two_million_token_prompt_and_its_response():
+    # The tiny/small configs once said 131072 positions: a 128K-token prompt plus its response
+    # failed check_positions in prefill and rollout.
+    from longstraw.engine.validation import check_positions
+    from longstraw.models.adapters import state_spec
+
+    for family in ("qwen3_5", "glm_moe_dsa"):
+        spec = state_spec(build_config(family, "tiny"))
+        check_positions(spec, 2_200_000 + 16, what="prompt + response")
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            check_positions(spec, 4_194_304 + 4097, what="prompt + response")
