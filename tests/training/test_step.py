@@ -129,10 +129,10 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
         scored.append((model, state, out))
         return out
 
-    def spy_accumulate(model, state, responses, advantages, cfg, **kwargs):
+    def spy_accumulate(model, state, responses, advantages, cfg, engine=None, **kwargs):
         fresh = prefill(model, state.prompt_ids, shard_tokens=config.engine.shard_tokens)
         same = all(torch.equal(fresh.tensors()[n], t) for n, t in state.tensors().items())
-        stats = real_accumulate(model, state, responses, advantages, cfg, **kwargs)
+        stats = real_accumulate(model, state, responses, advantages, cfg, engine, **kwargs)
         calls.append(
             dict(
                 state=state,
