@@ -543,7 +543,6 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
     )
 
 
-@on_all_ranks
 def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
     """{the policy version with the highest recorded mean reward} under
     `train.keep_best_checkpoint` (a step's rollouts measure the version it started from)."""
@@ -553,6 +552,7 @@ def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
     return frozenset({max(rows, key=lambda m: m.reward_mean).policy_version} if rows else ())
 
 
+@on_all_ranks
 def write_checkpoint(
     config: RunConfig, policy: PolicyRef, record: StepMetrics | None = None
 ) -> PolicyRef:
