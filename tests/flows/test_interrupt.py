@@ -41,56 +41,13 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
-    tmp_path, runs_root, fresh_prefect_home
-):
-    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "interrupted", num_steps=3)
-    first_checkpoint = runs_root / "runs" / "interrupted" / "checkpoints" / "v000001"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
-        cwd=tmp_path,
-        env=_env(fresh_prefect_home(tmp_path / "prefect")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    children: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 300
-        while not first_checkpoint.is_dir():
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the first step never finished"
-            time.sleep(0.1)
-        children = psutil.Process(process.pid).children(recursive=True)
-        assert children, "expected the embedded Prefect server as a child process"
-        sent = time.monotonic()
-        process.send_signal(signal.SIGTERM)  # the process only, as a supervisor would
-        output, _ = process.communicate(timeout=60)
-        took = time.monotonic() - sent
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    print(f"SIGTERM to exit: {took:.1f} s")
-    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
-    resume_lines = [line for line in output.splitlines() if "--resume" in line]
-    assert len(resume_lines) == 1, output[-3000:]
-    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
-    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
-
-
-def test_sigterm_to_the_process_group_stops_train_as_promptly(
-    tmp_path, runs_root, fresh_prefect_home
-):
-    """What a terminal's Ctrl-C, systemd, Slurm or Kubernetes deliver: the signal to the whole
-    group. The embedded Prefect server has a session of its own, so it outlives the signal long
-    enough for the run to report its crash, then goes with the run."""
-    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, "group-term", num_steps=3)
-    first_checkpoint = runs_root / "runs" / "group-term" / "checkpoints" / "v000001"
+def _signalled_train(tmp_path, runs_root, fresh_prefect_home, run_id, send, *, settle_s=0.0):
+    """Start `longstraw train` in a session of its own, wait for its first checkpoint, call
+    `send(process)` and wait for the exit. Returns (return code, output, seconds from the
+    signal to the exit, the children still alive `settle_s` after it, the run's directory).
+    Whatever is left is killed afterwards, after the children were checked."""
+    config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, run_id, num_steps=3)
+    first_checkpoint = runs_root / "runs" / run_id / "checkpoints" / "v000001"
     process = subprocess.Popen(
         [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
         cwd=tmp_path,
@@ -110,25 +67,63 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
         children = psutil.Process(process.pid).children(recursive=True)
         assert children, "expected the embedded Prefect server as a child process"
         sent = time.monotonic()
-        os.killpg(process.pid, signal.SIGTERM)
+        send(process)
         output, _ = process.communicate(timeout=120)
         took = time.monotonic() - sent
+        time.sleep(settle_s)
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         for child in children:  # the server is in another session: not reached by killpg
-            if child.is_running():
+            with contextlib.suppress(psutil.Error):
                 child.kill()
-    print(f"group SIGTERM to exit: {took:.1f} s")
+    return process.returncode, output, took, alive, config_path, first_checkpoint.parent.parent
+
+
+def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    rc, output, took, alive, config_path, run = _signalled_train(
+        tmp_path,
+        runs_root,
+        fresh_prefect_home,
+        "interrupted",
+        # The process only, as a supervisor would.
+        lambda process: process.send_signal(signal.SIGTERM),
+    )
+    print(f"SIGTERM to exit: {took:.1f} s")
     assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-    time.sleep(1.0)
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert rc == 128 + signal.SIGTERM, output[-3000:]
     assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
     resume_lines = [line for line in output.splitlines() if "--resume" in line]
     assert len(resume_lines) == 1, output[-3000:]
-    assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
+    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
+    assert not (run / "RUN.lock").exists(), "the lease was released"
+
+
+def test_sigterm_to_the_process_group_stops_train_as_promptly(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """What a terminal's Ctrl-C, systemd, Slurm or Kubernetes deliver: the signal to the whole
+    group. The embedded Prefect server has a session of its own, so it outlives the signal long
+    enough for the run to report its crash, then goes with the run."""
+    rc, output, took, alive, _, run = _signalled_train(
+        tmp_path,
+        runs_root,
+        fresh_prefect_home,
+        "group-term",
+        lambda process: os.killpg(process.pid, signal.SIGTERM),
+        settle_s=1.0,  # the server's parent watch polls every second
+    )
+    print(f"group SIGTERM to exit: {took:.1f} s")
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert not (run / "RUN.lock").exists(), "the lease was released"
     assert len(output.splitlines()) < 60, output[-3000:]
 
 
