@@ -108,6 +108,30 @@ def _segment_decays(g_XC: torch.Tensor) -> torch.Tensor:
     return seg_XIS.masked_fill(beyond_CS, float("-inf")).exp()
 
 
+class _DecayedState(torch.autograd.Function):
+    """state [B, H, Dk, Dv] * decay [B, H, 1, 1], with decay's gradient summed in float64.
+
+    That sum, <d_next_state, state> over Dk x Dv, is one of three paths by which a chunk's decay
+    gets its gradient (the others: the queries' and the UT transform's reads of the entering
+    state), and the paths cancel: at one token with strong decay, 38-fold. Each fp32 product is
+    exact in float64, so summing there removes this path's rounding (Dk x Dv terms, the largest of
+    the three) from the decay gradients; the forward is the fp32 product it always was.
+    Measured (T = 1, A = 7.5, Dk = Dv = 4): relative error of dA_log 2.8e-5 with the fp32 sum,
+    against 2.2e-6 for the per-token recurrence in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, state: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(state, decay)
+        return state * decay
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state, decay = ctx.saved_tensors
+        d_decay = (d_out.double() * state.double()).sum(dim=(-2, -1), keepdim=True)
+        return d_out * decay, d_decay.to(decay.dtype)
+
+
 def chunked_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -245,7 +269,8 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
         v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
         v_new.append(v_new_i)
         state = (
-            state * chunk_decay_BHN11[:, :, i] + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
+            _DecayedState.apply(state, chunk_decay_BHN11[:, :, i])
+            + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
         )
     starts_BHNKV = torch.stack(starts, dim=2)
     v_new_BHNCV = torch.stack(v_new, dim=2)
