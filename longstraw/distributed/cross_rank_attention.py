@@ -12,6 +12,10 @@ Registered with transformers as attention function "longstraw_sharded"; the laye
   bit for bit. Backward: each rank computes its share of dq from its own keys with the GLOBAL
   lse (FlashAttention-2 style) and adds its keys' dK/dV into its own cotangent slice; an
   all_reduce sums dq. No rank ever sees another rank's K/V.
+* a long branch's segments (replicated): the branch's earlier segments are the same on every
+  rank (`extra_prefix`); each rank computes their partial itself and merges it after the
+  gathered prompt partials, and in backward adds their dK/dV into its own copy of the branch
+  cotangent; only the prompt part of dq is all-reduced.
 * decoding (rollout, replicated, no autograd): every rank runs the same batched decode step;
   the Q new queries' partial over this rank's prefix positions is all-gathered as in replay, and
   the branch overlay (kept by the layer, `keep_branch=True`) enters once, as the causal branch
@@ -80,6 +84,8 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
 
     `owner` None: replicated mode; otherwise the rank that runs the model (see module docstring).
     `keep_branch` (decoding, replicated only): keep the branch's own K/V between steps.
+    `extra_prefix` (replicated only): a long branch's earlier segments, the same on every rank
+    (`PrefixAttentionLayer`); each rank reads them itself, after the gathered prompt partials.
     """
 
     def __init__(
@@ -94,9 +100,12 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
         grad_v_TKD: Tensor | None = None,
         on_update=None,
         keep_branch: bool = False,
+        extra_prefix: tuple | None = None,
     ):
         if keep_branch and owner is not None:
             raise ValueError("decoding (keep_branch) runs replicated: pass owner=None")
+        if extra_prefix is not None and owner is not None:
+            raise ValueError("a branch's earlier segments are read replicated: pass owner=None")
         super().__init__(
             prefix_k_TKD,
             prefix_v_TKD,
@@ -104,6 +113,7 @@ class CrossRankAttentionLayer(PrefixAttentionLayer):
             grad_v_TKD=grad_v_TKD,
             on_update=on_update,
             keep_branch=keep_branch,
+            extra_prefix=extra_prefix,
         )
         self.group = group
         self.owner = owner
@@ -161,6 +171,10 @@ class _CrossRankAttention(torch.autograd.Function):
             q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=CHUNK_TOKENS
         )
         outs, lses = _gather_partials(out_p, lse_p, layer.group)
+        extra = layer.extra_prefix
+        if extra is not None:
+            out_e, lse_e = prefix_partial(q_s, extra[0], extra[1], chunk_size=CHUNK_TOKENS)
+            outs, lses = [*outs, out_e], [*lses, lse_e]
         out_b, lse_b = causal_partial(q_s, k_BKRD, v_BKRV)
         out_BHRV, lse_BHR = merge_partials([*outs, out_b], [*lses, lse_b])
         ctx.save_for_backward(q_s, k_BKRD, v_BKRV, out_BHRV, lse_BHR)
@@ -195,6 +209,14 @@ class _CrossRankAttention(torch.autograd.Function):
             chunk_size=CHUNK_TOKENS, grad_k_TKD=layer.grad_k_TKD, grad_v_TKV=layer.grad_v_TKD,
         )  # fmt: skip
         _all_reduce(grad_q_s, layer.group)
+        extra = layer.extra_prefix
+        if extra is not None:
+            # Replicated: every rank adds the same earlier-segment cotangent into its own copy
+            # of the branch's, and its dq share needs no reduction.
+            grad_q_s = grad_q_s + prefix_partial_backward(
+                q_s, grad_out, lse_BHR, delta_BHR, extra[0], extra[1], chunk_size=CHUNK_TOKENS,
+                grad_k_TKD=extra[2], grad_v_TKV=extra[3],
+            )  # fmt: skip
         grad_q_b, grad_k, grad_v = causal_partial_backward(
             q_s, k_BKRD, v_BKRV, grad_out, lse_BHR, delta_BHR
         )

@@ -22,12 +22,12 @@ rows partition, the sweep's gradient scattered from each shard's owner parameter
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from longstraw.distributed.exchange import CrossRankExchange
 from longstraw.distributed.gradient_slices import (
     GradSlices,
     SliceLayout,
@@ -35,23 +35,19 @@ from longstraw.distributed.gradient_slices import (
     slices_drained_into,
     slices_scattered_from_owner,
 )
-from longstraw.distributed.sharded_replay import (
-    sharded_branch_logprobs,
-    sharded_sweep,
-    zeros_cotangent,
-)
+from longstraw.distributed.sharded_replay import sharded_sweep, zeros_cotangent
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.group import (
     GradBuffer,
-    GroupInputs,
+    ReplayRecord,
     deterministic_when_exact,
     drain_grads_into,
     grads_drained_into,
     grads_set_aside,
     group_inputs,
+    replay_group_branches,
     trainable_parameters,
 )
-from longstraw.grpo.losses import BranchStats
 from longstraw.schemas.grpo import GRPOConfig
 
 
@@ -74,41 +70,6 @@ def all_reduce_rank_gradients(
             dist.all_reduce(grad, group=data_group)
             grad /= dist.get_world_size(data_group)
     return sweep
-
-
-@dataclass
-class ReplayRecord:
-    """What the replicated replay of a group produced besides gradients."""
-
-    logprobs: list[torch.Tensor] = field(default_factory=list)
-    """[G][R_i] detached log-probs."""
-    losses: list[float] = field(default_factory=list)
-    """[G] each branch's share of the loss."""
-    stats: list[BranchStats] = field(default_factory=list)
-
-
-def _replay_branches(model, state, inputs: GroupInputs, loss_config, group, cotangent):
-    """Replay every branch (replicated on the ranks of `group`) and backpropagate its loss; the
-    caller decides where parameter gradients go (hooks)."""
-    record = ReplayRecord()
-    for i, response in enumerate(inputs.response_ids):
-        logp, branch = sharded_branch_logprobs(
-            model,
-            state,
-            response,
-            group=group,
-            temperature=loss_config.temperature,
-            cotangent=cotangent,
-        )
-        loss, stats = inputs.branch_loss(i, logp, loss_config)
-        loss.backward()
-        if cotangent is not None:
-            branch.add_leaf_grads_into(cotangent)
-        record.logprobs.append(logp.detach())
-        record.losses.append(float(loss.detach()))
-        record.stats.append(stats)
-        del logp, loss, branch
-    return record
 
 
 def sharded_group_gradients(
@@ -147,8 +108,13 @@ def sharded_group_replay(
     num_sequences_in_batch: int | None = None,
     ref_logprobs: Sequence[torch.Tensor] | None = None,
     importance_weights: Sequence[torch.Tensor] | None = None,
+    branch_segment_tokens: int | None = None,
+    share_response_prefixes: bool = False,
 ) -> tuple[GradBuffer, ReplayRecord]:
-    """`sharded_group_gradients` with the replay's log-probs, losses and loss statistics."""
+    """`sharded_group_gradients` with the replay's log-probs, losses and loss statistics.
+
+    `branch_segment_tokens` / `share_response_prefixes`: the run config's `engine` options of the
+    same names, as in `accumulate_group_gradients` (`engine.group.replay_group_branches`)."""
     # The single-process path's front door: the same checks and the same loss weights.
     inputs = group_inputs(
         model, responses, advantages, loss_config, prompt_grad=prompt_grad,
@@ -161,7 +127,16 @@ def sharded_group_replay(
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
         with grads_drained_into(params, branch_grads):
-            record = _replay_branches(model, state, inputs, loss_config, group, cotangent)
+            record = replay_group_branches(
+                model,
+                state,
+                inputs,
+                loss_config,
+                cotangent,
+                segment_tokens=branch_segment_tokens,
+                share_prefixes=share_response_prefixes,
+                exchange=CrossRankExchange(group),
+            )
         if cotangent is not None:
             sharded_sweep(
                 model,
@@ -209,6 +184,8 @@ def sharded_group_slice_replay(
     num_sequences_in_batch: int | None = None,
     ref_logprobs: Sequence[torch.Tensor] | None = None,
     importance_weights: Sequence[torch.Tensor] | None = None,
+    branch_segment_tokens: int | None = None,
+    share_response_prefixes: bool = False,
 ) -> tuple[GradSlices, ReplayRecord]:
     """This rank's fp32 slices of the group's gradient and the replay's record.
 
@@ -234,7 +211,16 @@ def sharded_group_slice_replay(
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
         with slices_drained_into(params, slices):
-            record = _replay_branches(model, state, inputs, loss_config, group, cotangent)
+            record = replay_group_branches(
+                model,
+                state,
+                inputs,
+                loss_config,
+                cotangent,
+                segment_tokens=branch_segment_tokens,
+                share_prefixes=share_response_prefixes,
+                exchange=CrossRankExchange(group),
+            )
         if cotangent is not None:
             with slices_scattered_from_owner(params, slices, group=group):
                 sharded_sweep(

@@ -27,9 +27,9 @@ from longstraw.distributed.cross_rank_attention import (
     finish_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
+from longstraw.distributed.exchange import CrossRankExchange, cross_rank_kind_kwargs
 from longstraw.distributed.sharded_prefill import local_prefix_end, serve_shard
 from longstraw.distributed.sharded_state import ShardedPrefixState
-from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, branch_layers, sweep_layers
@@ -39,7 +39,12 @@ from longstraw.engine.recomputed_span import (
     backward_recomputed_span,
     take_start_cotangent,
 )
-from longstraw.engine.replay import PromptCotangent, token_logprobs
+from longstraw.engine.replay import (
+    PromptCotangent,
+    branch_input_ids,
+    replay_logits,
+    token_logprobs,
+)
 from longstraw.engine.sweep import mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
@@ -67,21 +72,12 @@ class ShardedBranch:
         batch_size: int = 1,
     ) -> None:
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        ranks = {"group": group, "owner": None, "keep_branch": keep_branch}
         layers = branch_layers(
             state,
             cotangent,
             leaves=self.leaves,
             batch_size=batch_size,
-            kind_kwargs={
-                "full_attention": {"layer_class": CrossRankAttentionLayer, **ranks},
-                "mla": {
-                    "layer_class": CrossRankMlaLayer,
-                    "num_prefix": state.num_tokens,
-                    "local_start": state.token_start,
-                    **ranks,
-                },
-            },
+            kind_kwargs=cross_rank_kind_kwargs(state, group, keep_branch=keep_branch),
         )
         self.cache = StateCache(layers, position_offset=state.num_tokens)
 
@@ -109,23 +105,8 @@ def sharded_branch_logprobs(
     """
     branch = ShardedBranch(state, cotangent, group)
     response = response_ids.to(model.device)
-    last = torch.tensor([state.last_token_id], dtype=torch.long, device=model.device)
-    input_ids = torch.cat([last, response[:-1]]).unsqueeze(0)
-    position_ids = torch.arange(
-        state.num_tokens, state.num_tokens + input_ids.shape[1], device=model.device
-    ).unsqueeze(0)
-    # The delta rule's backward on LongStraw's chunked kernel, as in single-process replay.
-    with (
-        cross_rank_attention_enabled(model),
-        delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
-    ):
-        logits = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            cache=branch.cache,
-            use_cache=True,
-            **{CACHE_KWARG: branch.cache},
-        ).logits
+    input_ids = branch_input_ids(state, response).unsqueeze(0)
+    logits = replay_logits(model, state, input_ids, branch.cache, CrossRankExchange(group))
     return token_logprobs(logits, response.unsqueeze(0), temperature)[0], branch
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import COTANGENT_ARRAYS, TOKEN_ARRAYS
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.segmented_replay import (
@@ -106,6 +107,19 @@ class _Path:
     """[parent end] dL/dlog p summed over the responses below, which children add into."""
 
 
+@dataclass(frozen=True)
+class _TreeRun:
+    """What every node of one `tree_group_backward` call shares."""
+
+    model: PreTrainedModel
+    prompt: PrefixState
+    loss_fn: TreeLossFn
+    segment_tokens: int | None
+    temperature: float
+    cotangent: PromptCotangent | None
+    exchange: PrefixExchange
+
+
 def tree_group_backward(
     model: PreTrainedModel,
     prompt: PrefixState,
@@ -115,20 +129,22 @@ def tree_group_backward(
     segment_tokens: int | None,
     temperature: float = 1.0,
     cotangent: PromptCotangent | None = None,
+    exchange: PrefixExchange = LOCAL,
 ) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
     """Backpropagate `loss_fn(i, logp_i)` of every response i through a prefix tree.
 
     Returns, per response, (log-probs [R_i] detached, loss (0-d detached), stats). Parameter
     gradients accumulate as with `loss.backward()`; with `cotangent` (exact mode) the prompt
     state's cotangent is added into it. `segment_tokens` None: each node's span is one graph.
+    `exchange`: how the prompt's prefix is read (`engine.exchange`; a sharded prompt's ranks
+    all run this with the same arguments).
     """
     ids = [torch.as_tensor(r, dtype=torch.long).cpu() for r in responses]
     results: list = [None] * len(ids)
     empty = _Path(None, torch.zeros(0, dtype=torch.float32, device=model.device))
+    run = _TreeRun(model, prompt, loss_fn, segment_tokens, temperature, cotangent, exchange)
     for node in build_prefix_tree([r.tolist() for r in ids]):
-        bcot_start = _run_node(
-            model, prompt, node, empty, loss_fn, segment_tokens, temperature, cotangent, results
-        )
+        bcot_start = _run_node(run, node, empty, results)
         if cotangent is not None and bcot_start is not None:
             # A top node starts from the prompt's final state, which every branch reads.
             cotangent.conv += bcot_start[0]
@@ -136,13 +152,12 @@ def tree_group_backward(
     return results
 
 
-def _run_node(
-    model, prompt, node, parent, loss_fn, segment_tokens, temperature, cotangent, results
-):
+def _run_node(run: _TreeRun, node: TreeNode, parent: _Path, results: list):
     """Forward the node, run its subtree, backpropagate it. Returns the cotangent of its start
     linear-attention state ((conv, recurrent) [L, ...], or None without linear layers) after
     adding its ancestors' K/V cotangent into `parent.cotangent`."""
-    bounds = _node_bounds(node, segment_tokens)
+    model, prompt, temperature = run.model, run.prompt, run.temperature
+    bounds = _node_bounds(node, run.segment_tokens)
     targets = torch.tensor(node.tokens, dtype=torch.long, device=model.device)
     inputs = torch.cat([torch.tensor([prompt.last_token_id], device=model.device), targets[:-1]])
     state = allocate_branch_state(prompt, inputs, bounds)
@@ -160,8 +175,9 @@ def _run_node(
                 prompt_cotangent=None,
                 branch_cotangent=None,
                 on_update=_writer(state, k),
+                exchange=run.exchange,
             )
-            logits = replay_logits(model, prompt, inputs[a:b].unsqueeze(0), cache)
+            logits = replay_logits(model, prompt, inputs[a:b].unsqueeze(0), cache, run.exchange)
             logps.append(token_logprobs(logits, targets[a:b].unsqueeze(0), temperature)[0])
             del logits, cache
     logp = torch.cat(logps)
@@ -171,16 +187,14 @@ def _run_node(
 
     # Children first: their losses and backward fill this node's cotangents.
     for child in node.children:
-        start_cot = _run_node(
-            model, prompt, child, here, loss_fn, segment_tokens, temperature, cotangent, results
-        )
+        start_cot = _run_node(run, child, here, results)
         if start_cot is not None:
             bcot.conv += start_cot[0]
             bcot.recurrent += start_cot[1]
     for i in node.responses:
         leaf = logp.detach().clone().requires_grad_(True)
         with torch.enable_grad():
-            loss, stats = loss_fn(i, leaf)
+            loss, stats = run.loss_fn(i, leaf)
             loss.backward()
         if leaf.grad is not None:
             grad_logp += leaf.grad
@@ -188,8 +202,9 @@ def _run_node(
 
     for k in reversed(range(first_own, len(bounds))):
         _segment_backward(
-            model, prompt, state, k, targets, inputs, grad_logp, logp, temperature, cotangent, bcot
-        )
+            model, prompt, state, k, targets, inputs, grad_logp, logp, temperature,
+            run.cotangent, bcot, run.exchange,
+        )  # fmt: skip
     if node.start > 0:
         _add_ancestor_cotangent(bcot, parent.cotangent, node.start)
         parent.grad_logp[: node.start] += grad_logp[: node.start]

@@ -69,6 +69,7 @@ class PrefixAttentionLayer:
         on_update: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         keep_branch: bool = False,
         branch_capacity: int = 0,
+        extra_prefix: tuple | None = None,
     ):
         self.prefix_k_TKD = prefix_k_TKD
         self.prefix_v_TKD = prefix_v_TKD
@@ -81,6 +82,10 @@ class PrefixAttentionLayer:
         self.keep_branch = keep_branch
         self.branch_k = BranchBuffer(2, branch_capacity)
         self.branch_v = BranchBuffer(2, branch_capacity)
+        # A long branch's earlier segments (engine/segmented_replay.py), read as a second prefix
+        # after the prompt's: (k [a, K, D], v [a, K, Dv], grad_k | None, grad_v | None) of
+        # branch positions < a; None outside segmented replay.
+        self.extra_prefix = extra_prefix
 
     def update(
         self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
@@ -212,16 +217,6 @@ class PrefixMlaLayer:
 
     def branch_length(self) -> int:
         return self.branch[0].length
-
-
-class SegmentAttentionLayer(PrefixAttentionLayer):
-    """A full-attention layer that reads two prefixes: the prompt's K/V and the branch's earlier
-    segments (`extra_prefix`, handed to `prefix_cached_attention` by the attention function)."""
-
-    def __init__(self, prefix_k_TKD, prefix_v_TKD, *, extra_prefix, **kwargs):
-        super().__init__(prefix_k_TKD, prefix_v_TKD, **kwargs)
-        self.extra_prefix = extra_prefix
-        """(k [a, K, D], v [a, K, Dv], grad_k | None, grad_v | None) of branch positions < a."""
 
 
 class SegmentMlaLayer(PrefixMlaLayer):

@@ -19,22 +19,23 @@ import functools
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.branch_tree import tree_group_backward
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.prefill import prefill
-from longstraw.engine.replay import PromptCotangent, replay_branch
+from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
-from longstraw.grpo.losses import branch_loss, reduce_stats, sequence_weights
+from longstraw.grpo.losses import BranchStats, branch_loss, reduce_stats, sequence_weights
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.results import GroupStats, StageSeconds
@@ -350,6 +351,83 @@ def accumulate_group_gradients(
         )
 
 
+@dataclass
+class ReplayRecord:
+    """What replaying a group's branches produced besides gradients."""
+
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    """[G][R_i] detached fp32 log-probs."""
+    losses: list[float] = field(default_factory=list)
+    """[G] each branch's share of the loss."""
+    stats: list[BranchStats] = field(default_factory=list)
+
+    def add(self, logp: torch.Tensor, loss: torch.Tensor, stats: BranchStats) -> None:
+        self.logprobs.append(logp.detach())
+        self.losses.append(float(loss.detach()))
+        self.stats.append(stats)
+
+
+def replay_group_branches(
+    model: PreTrainedModel,
+    state,
+    inputs: GroupInputs,
+    loss_config: GRPOConfig,
+    cotangent: PromptCotangent | None,
+    *,
+    segment_tokens: int | None,
+    share_prefixes: bool,
+    exchange: PrefixExchange = LOCAL,
+) -> ReplayRecord:
+    """Replay every branch of the group and backpropagate its loss, in response order.
+
+    `state` is the whole prompt state or this rank's slice of it; `exchange` (`engine.exchange`)
+    reads the rest of the prefix (on ranks every rank calls this with the same arguments: the
+    replay is replicated). With `share_prefixes` the responses run as a prefix tree
+    (`engine.branch_tree`); a response longer than `segment_tokens` runs in segments
+    (`engine.segmented_replay`); any other as one graph. With `cotangent` (exact mode) the
+    cotangent of the prompt state the branches read is added into it. Parameter gradients
+    accumulate as `loss.backward()` leaves them; the caller decides where (hooks).
+    """
+    record = ReplayRecord()
+    temperature = loss_config.temperature
+    if share_prefixes:
+        for logp, loss, stats in tree_group_backward(
+            model,
+            state,
+            inputs.response_ids,
+            lambda i, logp: inputs.branch_loss(i, logp, loss_config),
+            segment_tokens=segment_tokens,
+            temperature=temperature,
+            cotangent=cotangent,
+            exchange=exchange,
+        ):
+            record.add(logp, loss, stats)
+        return record
+    for i, response in enumerate(inputs.response_ids):
+        if segment_tokens is not None and response.numel() > segment_tokens:
+            logp, loss, stats = segmented_branch_backward(
+                model,
+                state,
+                response,
+                functools.partial(inputs.branch_loss, i, loss_config=loss_config),
+                segment_tokens=segment_tokens,
+                temperature=temperature,
+                cotangent=cotangent,
+                exchange=exchange,
+            )
+            record.add(logp, loss, stats)
+            continue
+        logp, hand_back = exchange.replay_branch(
+            model, state, response, temperature=temperature, cotangent=cotangent
+        )
+        loss, stats = inputs.branch_loss(i, logp, loss_config)
+        loss.backward()
+        hand_back()
+        record.add(logp, loss, stats)
+        del logp, loss, hand_back
+    return record
+
+
 def _accumulate(
     model,
     state,
@@ -362,57 +440,25 @@ def _accumulate(
     branch_segment_tokens: int | None,
     share_prefixes: bool,
 ):
-    response_ids = inputs.response_ids
     params = trainable_parameters(model)
     contribution = GradBuffer(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
 
-    branch_losses, branch_logps, branch_stats = [], [], []
     with (
         grads_set_aside(params),
         deterministic_when_exact(prompt_grad),
         grads_drained_into(params, contribution),
     ):
         started = time.perf_counter()
-        if share_prefixes:
-            for logp, loss, stats in tree_group_backward(
-                model,
-                state,
-                response_ids,
-                lambda i, logp: inputs.branch_loss(i, logp, loss_config),
-                segment_tokens=branch_segment_tokens,
-                temperature=loss_config.temperature,
-                cotangent=cotangent,
-            ):
-                branch_losses.append(float(loss))
-                branch_logps.append(logp.cpu().tolist())
-                branch_stats.append(stats)
-        for i, response in enumerate([] if share_prefixes else response_ids):
-            if branch_segment_tokens is not None and response.numel() > branch_segment_tokens:
-                logp, loss, stats = segmented_branch_backward(
-                    model,
-                    state,
-                    response,
-                    functools.partial(inputs.branch_loss, i, loss_config=loss_config),
-                    segment_tokens=branch_segment_tokens,
-                    temperature=loss_config.temperature,
-                    cotangent=cotangent,
-                )
-                branch_losses.append(float(loss))
-                branch_logps.append(logp.cpu().tolist())
-                branch_stats.append(stats)
-                continue
-            logp, branch = replay_branch(
-                model, state, response, temperature=loss_config.temperature, cotangent=cotangent
-            )
-            loss, stats = inputs.branch_loss(i, logp, loss_config)
-            loss.backward()
-            if cotangent is not None:
-                branch.add_leaf_grads_into(cotangent, state)
-            branch_losses.append(float(loss.detach()))
-            branch_logps.append(logp.detach().cpu().tolist())
-            branch_stats.append(stats)
-            del logp, loss, branch
+        record = replay_group_branches(
+            model,
+            state,
+            inputs,
+            loss_config,
+            cotangent,
+            segment_tokens=branch_segment_tokens,
+            share_prefixes=share_prefixes,
+        )
         seconds["replay"] = time.perf_counter() - started
         if cotangent is not None:
             started = time.perf_counter()
@@ -427,10 +473,10 @@ def _accumulate(
     return group_stats(
         prompt_grad,
         state,
-        branch_losses,
-        branch_logps,
+        record.losses,
+        [logp.cpu().tolist() for logp in record.logprobs],
         inputs.lengths,
-        branch_stats,
+        record.stats,
         seconds,
         cotangent_bytes=0 if cotangent is None else cotangent.nbytes(),
         device=model.device,

@@ -8,7 +8,9 @@ Users of these objects, single process and sequence-sharded alike:
 - `allocate`: `engine.state.PrefixState`, `distributed.sharded_state.ShardedPrefixState`;
 - `prefill_layer`: `engine.prefill`, `distributed.sharded_prefill.owner_prefill_cache`;
 - `branch_layer`: `engine.replay.branch_cache`, `distributed.sharded_replay.ShardedBranch`;
-- `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard).
+- `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard);
+- `segment_layer`: `engine.segmented_replay` and `engine.branch_tree`, on either placement
+  (`engine.exchange` says how the prompt's part held by other ranks is read).
 
 The cross-rank side passes its layer class (`distributed` sits above this package and cannot be
 imported here) and the arguments only it has, through `kind_kwargs`. A new kind of layer is one
@@ -28,7 +30,6 @@ from longstraw.engine.cache import (
     ForkedLinearAttentionLayer,
     PrefixAttentionLayer,
     PrefixMlaLayer,
-    SegmentAttentionLayer,
     SegmentMlaLayer,
     ShardStartLinearAttentionLayer,
 )
@@ -277,6 +278,8 @@ class FullAttention(LayerKind):
         branch_cotangent,
         leaves,
         on_update,
+        layer_class=PrefixAttentionLayer,
+        **kwargs,
     ):
         del layer_idx, leaves  # the earlier segments' K/V cotangent goes to branch_cotangent
         a, _ = branch.bounds[k]
@@ -287,13 +290,14 @@ class FullAttention(LayerKind):
             branch_cotangent.keys[slot, :a] if grad else None,
             branch_cotangent.values[slot, :a] if grad else None,
         )
-        return SegmentAttentionLayer(
+        return layer_class(
             prompt.keys[slot],
             prompt.values[slot],
             grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
             grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
             extra_prefix=extra,
             **self.output_hooks(prompt.spec, slot, on_update),
+            **kwargs,
         )
 
 
@@ -694,10 +698,19 @@ def sweep_layers(
 
 
 def segment_layers(
-    prompt, branch, k: int, *, prompt_cotangent, branch_cotangent, leaves: dict, on_update: Record
+    prompt,
+    branch,
+    k: int,
+    *,
+    prompt_cotangent,
+    branch_cotangent,
+    leaves: dict,
+    on_update: Record,
+    kind_kwargs: dict | None = None,
 ) -> list:
     """[num_layers] the cache layers segment k of a long branch runs with
-    (`LayerKind.segment_layer`); `leaves` receives each kind's leaves by its field and slot."""
+    (`LayerKind.segment_layer`); `leaves` receives each kind's leaves by its field and slot;
+    `kind_kwargs` as in `branch_layers` (a sharded prompt's cross-rank layer class)."""
     layers: list = [None] * prompt.spec.num_layers
     for kind in LAYER_KINDS:
         for slot, layer_idx in kind.slots(prompt.spec):
@@ -711,6 +724,7 @@ def segment_layers(
                 branch_cotangent=branch_cotangent,
                 leaves=leaves.setdefault(kind.field, {}),
                 on_update=on_update,
+                **_extra(kind_kwargs, kind, slot),
             )
     return layers
 

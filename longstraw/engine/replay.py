@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
+from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import COTANGENT_ARRAYS, branch_layers, nbytes
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
@@ -126,9 +127,14 @@ def branch_input_ids(state: PrefixState, response_ids: torch.Tensor) -> torch.Te
 
 
 def replay_logits(
-    model: PreTrainedModel, state: PrefixState, input_ids_BR: torch.Tensor, cache: StateCache
+    model: PreTrainedModel,
+    state: PrefixState,
+    input_ids_BR: torch.Tensor,
+    cache: StateCache,
+    exchange: PrefixExchange = LOCAL,
 ) -> torch.Tensor:
-    """[B, R, V] logits of a branch forward at positions T .. T+R-1 on `cache`.
+    """[B, R, V] logits of a branch forward at positions T .. T+R-1 on `cache`, its layers
+    reading the prompt prefix as `exchange` says (this process's, or the ranks').
 
     With autograd, the Gated DeltaNet layers backpropagate through LongStraw's chunked delta
     rule (`longstraw.engine.delta_rule`; the forward stays transformers'), whose decay
@@ -138,7 +144,7 @@ def replay_logits(
     offset = cache.position_offset
     position_ids = torch.arange(offset, offset + length, device=model.device).expand(batch, -1)
     with (
-        prefix_attention_enabled(model),
+        exchange.attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
     ):
         output = model(

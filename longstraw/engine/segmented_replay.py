@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.cache import StateCache
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import Record, segment_layers, state_writer
 from longstraw.engine.recomputed_span import (
     SpanOutputs,
@@ -68,7 +69,7 @@ def allocate_branch_state(
     start of bound k, entry 0 the prompt's final state (the branch starts from it)."""
     ids = torch.cat([input_ids.cpu(), torch.zeros(1, dtype=torch.long)])
     dtype = next(t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
-    device = next(t.device for t in prompt.tensors().values())
+    device = next(t.device for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
     branch = PrefixState.allocate(
         prompt.spec, prompt_ids=ids, shard_tokens=max(1, ids.numel()), dtype=dtype, device=device
     )
@@ -77,8 +78,8 @@ def allocate_branch_state(
         shape = (branch.conv.shape[0], len(bounds) + 1)
         branch.conv = branch.conv.new_zeros(*shape, *branch.conv.shape[2:])
         branch.recurrent = branch.recurrent.new_zeros(*shape, *branch.recurrent.shape[2:])
-        branch.conv[:, 0] = prompt.conv[:, prompt.num_shards]
-        branch.recurrent[:, 0] = prompt.recurrent[:, prompt.num_shards]
+        # The prompt's final linear-attention state: every rank of a sharded prompt keeps it.
+        branch.conv[:, 0], branch.recurrent[:, 0] = prompt.final_linear_state_all()
     return branch
 
 
@@ -90,6 +91,7 @@ def _segment_cache(
     prompt_cotangent: PromptCotangent | None,
     branch_cotangent: PromptCotangent | None,
     on_update: Record,
+    exchange: PrefixExchange = LOCAL,
 ) -> tuple[StateCache, dict[str, dict[int, tuple[torch.Tensor, ...]]]]:
     """The cache of segment k and, with autograd (`branch_cotangent` given), its leaves by
     kind (`LayerKind.segment_layer`): {"linear_attention": {slot: (conv, recurrent)} at the
@@ -104,6 +106,7 @@ def _segment_cache(
         branch_cotangent=branch_cotangent,
         leaves=leaves,
         on_update=on_update,
+        kind_kwargs=exchange.segment_kind_kwargs(prompt),
     )
     return StateCache(layers, position_offset=prompt.num_tokens + a), leaves
 
@@ -127,6 +130,7 @@ def segmented_branch_backward(
     segment_tokens: int,
     temperature: float = 1.0,
     cotangent: PromptCotangent | None = None,
+    exchange: PrefixExchange = LOCAL,
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Replay one branch in segments and backpropagate `loss_fn(logp [R])` through it.
 
@@ -146,12 +150,24 @@ def segmented_branch_backward(
         segment_tokens=segment_tokens,
         temperature=temperature,
         cotangent=cotangent,
+        exchange=exchange,
     )
     return result
 
 
 def _segment_backward(
-    model, prompt, branch, k, response, input_ids, grad_logp, logp, temperature, cotangent, bcot
+    model,
+    prompt,
+    branch,
+    k,
+    response,
+    input_ids,
+    grad_logp,
+    logp,
+    temperature,
+    cotangent,
+    bcot,
+    exchange: PrefixExchange = LOCAL,
 ) -> None:
     """Recompute segment k with autograd, check it, backpropagate its outputs' cotangents."""
     a, b = branch.bounds[k]
@@ -164,8 +180,9 @@ def _segment_backward(
             prompt_cotangent=cotangent,
             branch_cotangent=bcot,
             on_update=outputs,
+            exchange=exchange,
         )
-        logits = replay_logits(model, prompt, input_ids[a:b].unsqueeze(0), cache)
+        logits = replay_logits(model, prompt, input_ids[a:b].unsqueeze(0), cache, exchange)
         logp_seg = token_logprobs(logits, response[a:b].unsqueeze(0), temperature)[0]
         del logits
     require_equal(f"branch segment {k}: recomputed log-probs", logp_seg, logp[a:b], _SEGMENT_REMEDY)

@@ -59,11 +59,13 @@ class EngineConfig(_Section):
     """Responses longer than this are replayed in segments of this many tokens, one segment's
     autograd graph at a time, on top of the prompt state and the response's own earlier
     segments (gradients unchanged; about one extra forward of the response). None: every
-    response is one graph. Single-process runs only (parallel.world_size = 1)."""
+    response is one graph. On several ranks every rank replays the segments together, each
+    reading its part of the prompt (not yet for GLM-5's MLA layers: refused when the backward
+    starts)."""
     share_response_prefixes: bool = False
     """Responses of a group that start with the same tokens (common first turns of agent
-    trajectories) run that shared part once, as a prefix tree (gradients unchanged).
-    Single-process runs only."""
+    trajectories) run that shared part once, as a prefix tree (gradients unchanged), on one
+    process or on the ranks (as `branch_segment_tokens`)."""
     state_budget_bytes: int | None = Field(default=None, ge=0)
     """Bytes of prompt state (K/V or latents, and in exact mode their fp32 cotangent) kept on the
     compute device; whole layers are kept while they fit, the rest waits in `state_tier` and is
@@ -226,12 +228,8 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _segments_need_one_rank(self) -> RunConfig:
-        for name, on in (
-            ("branch_segment_tokens", self.engine.branch_segment_tokens is not None),
-            ("share_response_prefixes", self.engine.share_response_prefixes),
-            ("state_budget_bytes", self.engine.state_budget_bytes is not None),
-        ):
+    def _state_budget_needs_one_rank(self) -> RunConfig:
+        for name, on in (("state_budget_bytes", self.engine.state_budget_bytes is not None),):
             if on and self.parallel.world_size > 1:
                 raise ValueError(
                     f"engine.{name} is set but parallel.world_size > 1: it runs in a single "

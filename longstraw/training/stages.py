@@ -459,6 +459,8 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         advantages,
         config.grpo,
         prompt_grad=config.engine.prompt_grad,
+        branch_segment_tokens=config.engine.branch_segment_tokens,
+        share_response_prefixes=config.engine.share_response_prefixes,
         **kwargs,
     )
     grads = GradBuffer.from_tensors(slices.grads)

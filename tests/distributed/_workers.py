@@ -610,3 +610,69 @@ def rollout_with_divergent_seed(rank: int, world: int, checkpoint: str, divergin
     params = SamplingParams(num_samples=8, max_new_tokens=4)
     sharded_sample_responses(model, state, params, generator=torch.Generator().manual_seed(seed))
     return "finished"
+
+
+def _shared_prefix_group(vocab: int, prompt_len: int):
+    """A prompt and three responses that share turns: r0 (10 tokens) is a prefix of r2 (13);
+    r1 (13) leaves them after 6 tokens. Their prefix tree has a shared 6-token node, a node
+    where r0 ends, and two leaves."""
+    gen = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    base = torch.randint(0, vocab, (13,), generator=gen)
+    other = torch.randint(0, vocab, (7,), generator=gen)
+    responses = [base[:10], torch.cat([base[:6], other]), base]
+    return prompt, responses, torch.tensor([0.7, -1.1, 0.4])
+
+
+# (name, prompt_grad, branch_segment_tokens, share_response_prefixes)
+BRANCH_CASES = (
+    ("segments", "exact", 4, False),
+    ("segments_detached", "detached", 4, False),
+    ("prefix_tree", "exact", None, True),
+    ("prefix_tree_in_segments", "exact", 3, True),
+)
+
+
+def branches_against_single_process(rank: int, world: int, checkpoint: str, prompt_len: int,
+                                    shard_tokens: int):  # fmt: skip
+    """Segmented and prefix-tree replay over this rank's slice vs the single-process engine
+    with the same engine options (run here too): gradient errors and log-probs per case."""
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.grpo import GRPOConfig
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    vocab = model.config.get_text_config().vocab_size
+    prompt, responses, advantages = _shared_prefix_group(vocab, prompt_len)
+    config = GRPOConfig(beta=0.0)
+    reference = prefill(model, prompt, shard_tokens=shard_tokens)
+    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out: dict = {}
+    for name, mode, segment_tokens, share in BRANCH_CASES:
+        engine = EngineConfig(
+            shard_tokens=shard_tokens,
+            prompt_grad=mode,
+            branch_segment_tokens=segment_tokens,
+            share_response_prefixes=share,
+        )
+        want = GradBuffer(model)
+        stats = accumulate_group_gradients(
+            model, reference, responses, advantages, config, engine, grad_buffer=want
+        )
+        got, logps = sharded_group_gradients(
+            model, local, responses, advantages, config, prompt_grad=mode,
+            branch_segment_tokens=segment_tokens, share_response_prefixes=share,
+        )  # fmt: skip
+        out[name] = {
+            "grad": _grad_errors(got, want),
+            "logp_max_diff": max(
+                (torch.tensor(w) - g).abs().max().item()
+                for w, g in zip(stats.branch_logprobs, logps, strict=True)
+            ),
+            "logps": [g.tolist() for g in logps],
+        }
+    return out

@@ -174,20 +174,15 @@ def test_segment_length_must_be_positive(tiny_model):
         )
 
 
-def test_run_config_rejects_segments_on_several_ranks():
+def test_run_config_takes_segments_and_shared_prefixes_on_several_ranks():
+    # Both run on the ranks (tests/distributed/test_sharded_branches.py); they were refused.
     from longstraw.schemas.run import RunConfig
 
-    with pytest.raises(ValueError, match="branch_segment_tokens"):
-        RunConfig.model_validate(
-            {"engine": {"branch_segment_tokens": 8}, "parallel": {"world_size": 2}}
-        )
-    assert (
-        RunConfig.model_validate(
-            {"engine": {"branch_segment_tokens": 8}}
-        ).engine.branch_segment_tokens
-        == 8
+    config = RunConfig.model_validate(
+        {
+            "engine": {"branch_segment_tokens": 8, "share_response_prefixes": True},
+            "parallel": {"world_size": 2},
+        }
     )
-    with pytest.raises(ValueError, match="share_response_prefixes"):
-        RunConfig.model_validate(
-            {"engine": {"share_response_prefixes": True}, "parallel": {"world_size": 2}}
-        )
+    assert config.engine.branch_segment_tokens == 8
+    assert config.engine.share_response_prefixes

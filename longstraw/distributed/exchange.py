@@ -1,0 +1,90 @@
+"""The ranks' `PrefixExchange` (`longstraw.engine.exchange`): a branch reads the prompt prefix
+across its sequence group.
+
+Replicated, as every branch on the ranks runs: each rank runs the same branch on the same inputs
+over its `ShardedPrefixState`; the cross-rank attention (`cross_rank_attention`,
+`cross_rank_mla`) merges every rank's partial over its positions, so the branch's outputs are the
+same bits on every rank and each rank's prompt cotangent collects dK/dV for its positions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from longstraw.distributed.cross_rank_attention import (
+    CrossRankAttentionLayer,
+    cross_rank_attention_enabled,
+)
+from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
+from longstraw.engine.exchange import PrefixExchange
+
+
+def cross_rank_kind_kwargs(state, group, **attention) -> dict:
+    """Each kind's replicated cross-rank cache layer over `state` (this rank's slice), for
+    `layer_kinds.branch_layers`; `attention` adds arguments of the attention kinds' layers
+    (`keep_branch` when decoding)."""
+    ranks = {"group": group, "owner": None, **attention}
+    return {
+        "full_attention": {"layer_class": CrossRankAttentionLayer, **ranks},
+        "mla": {
+            "layer_class": CrossRankMlaLayer,
+            "num_prefix": state.num_tokens,
+            "local_start": state.token_start,
+            **ranks,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class CrossRankExchange(PrefixExchange):
+    """The prompt state is split over the ranks of `group` (None: the default group)."""
+
+    group: dist.ProcessGroup | None = None
+
+    def attention_enabled(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
+        return cross_rank_attention_enabled(model)
+
+    def branch_kind_kwargs(self, state) -> dict:
+        return cross_rank_kind_kwargs(state, self.group)
+
+    def segment_kind_kwargs(self, state) -> dict:
+        if state.spec.mla is not None:
+            raise ValueError(
+                "engine.branch_segment_tokens and engine.share_response_prefixes do not run over "
+                f"a sequence-sharded {state.spec.model_type} (MLA) prompt state yet; unset them "
+                "or set parallel.world_size: 1"
+            )
+        return {"full_attention": {"layer_class": CrossRankAttentionLayer, "group": self.group,
+                                   "owner": None}}  # fmt: skip
+
+    def replay_branch(
+        self,
+        model: PreTrainedModel,
+        state,
+        response_ids: torch.Tensor,
+        *,
+        temperature: float,
+        cotangent,
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        from longstraw.distributed.sharded_replay import sharded_branch_logprobs
+
+        logp, branch = sharded_branch_logprobs(
+            model,
+            state,
+            response_ids,
+            group=self.group,
+            temperature=temperature,
+            cotangent=cotangent,
+        )
+
+        def hand_back() -> None:
+            if cotangent is not None:
+                branch.add_leaf_grads_into(cotangent)
+
+        return logp, hand_back
