@@ -21,6 +21,7 @@ rows partition, the sweep's gradient scattered from each shard's owner parameter
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -126,6 +127,7 @@ def sharded_group_replay(
     branch_grads, sweep_grads = GradBuffer(model), GradBuffer(model)
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
+        started = time.perf_counter()
         with grads_drained_into(params, branch_grads):
             record = replay_group_branches(
                 model,
@@ -137,6 +139,8 @@ def sharded_group_replay(
                 share_prefixes=share_response_prefixes,
                 exchange=CrossRankExchange(group),
             )
+        record.seconds["replay"] = time.perf_counter() - started
+        started = time.perf_counter()
         if cotangent is not None:
             sharded_sweep(
                 model,
@@ -145,6 +149,7 @@ def sharded_group_replay(
                 group=group,
                 after_shard=lambda _: drain_grads_into(params, sweep_grads),
             )
+        _record_sweep(record, cotangent, started)
     reduced = all_reduce_rank_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
@@ -210,6 +215,7 @@ def sharded_group_slice_replay(
     slices = GradSlices(model, layout)
     cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
+        started = time.perf_counter()
         with slices_drained_into(params, slices):
             record = replay_group_branches(
                 model,
@@ -221,6 +227,8 @@ def sharded_group_slice_replay(
                 share_prefixes=share_response_prefixes,
                 exchange=CrossRankExchange(group),
             )
+        record.seconds["replay"] = time.perf_counter() - started
+        started = time.perf_counter()
         if cotangent is not None:
             with slices_scattered_from_owner(params, slices, group=group):
                 sharded_sweep(
@@ -230,4 +238,11 @@ def sharded_group_slice_replay(
                     group=group,
                     on_gradient_slices=receive_gradient_slices(params, slices, group=group),
                 )
+        _record_sweep(record, cotangent, started)
     return slices, record
+
+
+def _record_sweep(record: ReplayRecord, cotangent, started: float) -> None:
+    if cotangent is not None:
+        record.seconds["sweep"] = time.perf_counter() - started
+        record.cotangent_bytes = cotangent.nbytes()

@@ -360,6 +360,10 @@ class ReplayRecord:
     losses: list[float] = field(default_factory=list)
     """[G] each branch's share of the loss."""
     stats: list[BranchStats] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall-clock seconds of "replay" and (exact mode) "sweep", where the caller times them."""
+    cotangent_bytes: int = 0
+    """Bytes of the fp32 prompt cotangent dS this process held (a rank: its slice)."""
 
     def add(self, logp: torch.Tensor, loss: torch.Tensor, stats: BranchStats) -> None:
         self.logprobs.append(logp.detach())

@@ -451,7 +451,6 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
     from longstraw.engine.group import group_stats, peak_rss_bytes
 
     config = ctx.config
-    started = time.perf_counter()
     slices, replay = sharded_group_slice_replay(
         ctx.model,
         state,
@@ -464,11 +463,11 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         **kwargs,
     )
     grads = GradBuffer.from_tensors(slices.grads)
-    seconds = time.perf_counter() - started
     masks = kwargs["loss_masks"]
-    # Peak RSS of the busiest rank: the figure a per-node memory limit must cover.
-    peak = torch.tensor([peak_rss_bytes()], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # The busiest rank's peak RSS and slice of dS: the figures a per-node memory limit must cover.
+    busiest = torch.tensor([peak_rss_bytes(), replay.cotangent_bytes], dtype=torch.int64)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    peak, cotangent_bytes = busiest.tolist()
     stats = group_stats(
         config.engine.prompt_grad,
         state,
@@ -476,10 +475,8 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         [lp.cpu().tolist() for lp in replay.logprobs],
         [int(m.sum()) for m in masks],
         replay.stats,
-        # One stage on the ranks: replay and sweep are not timed apart.
-        {"replay": seconds},
-        # This rank's slice of dS (the sharded replay allocates and frees it).
-        cotangent_bytes=0,
+        {"replay": replay.seconds["replay"], "sweep": replay.seconds.get("sweep", 0.0)},
+        cotangent_bytes=cotangent_bytes,
         device=ctx.model.device,
         peak_rss=int(peak),
     )

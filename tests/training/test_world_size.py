@@ -169,6 +169,8 @@ def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
         assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
         assert two.kl == pytest.approx(one.kl, rel=1e-3, abs=1e-8)
         assert two.shards_computed == one.shards_computed == 2 * 3
+        # Replay and the exact sweep are timed apart on the ranks too.
+        assert two.seconds["replay"] > 0 and two.seconds["sweep"] > 0, two.seconds
 
 
 def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed_shards(
