@@ -279,3 +279,30 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
     _assert_same_checkpoint(
         checkpoint, reference_checkpoint.with_name("v000001"), checkpoint_dir("qwen3_5")
     )
+
+
+def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_checkpoint(
+    tmp_path, checkpoint_dir
+):
+    # Segments of 4 tokens and the prefix tree (both were refused on several ranks): `longstraw
+    # train --no-prefect` on two ranks against the same run in one process.
+    def config(root: Path):
+        base = _config(root, checkpoint_dir("qwen3_5"), "branches")
+        engine = {"branch_segment_tokens": 4, "share_response_prefixes": True}
+        return base.model_copy(update={"engine": base.engine.model_copy(update=engine)})
+
+    single = config(tmp_path / "world1")
+    reference = train(single).history
+    ranks = config(tmp_path / "world2")
+    process = _train(
+        _yaml(tmp_path / "run.yaml", ranks, 2), tmp_path, _env(tmp_path), "--no-prefect"
+    )
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+    _assert_same_checkpoint(
+        latest_checkpoint(ranks.storage, ranks.run_id),
+        latest_checkpoint(single.storage, single.run_id),
+        checkpoint_dir("qwen3_5"),
+    )
+    history = read_metrics(tmp_path / "world2" / "runs" / "branches")
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
