@@ -361,7 +361,7 @@ class ReplayRecord:
     """[G] each branch's share of the loss."""
     stats: list[BranchStats] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    """Wall-clock seconds of "replay" and (exact mode) "sweep", where the caller times them."""
+    """Wall-clock seconds of "replay" and (exact mode, timed by the caller) "sweep"."""
     cotangent_bytes: int = 0
     """Bytes of the fp32 prompt cotangent dS this process held (a rank: its slice)."""
 
@@ -393,6 +393,7 @@ def replay_group_branches(
     accumulate as `loss.backward()` leaves them; the caller decides where (hooks).
     """
     record = ReplayRecord()
+    started = time.perf_counter()
     temperature = loss_config.temperature
     if share_prefixes:
         for logp, loss, stats in tree_group_backward(
@@ -406,6 +407,7 @@ def replay_group_branches(
             exchange=exchange,
         ):
             record.add(logp, loss, stats)
+        record.seconds["replay"] = time.perf_counter() - started
         return record
     for i, response in enumerate(inputs.response_ids):
         if segment_tokens is not None and response.numel() > segment_tokens:
@@ -429,6 +431,7 @@ def replay_group_branches(
         hand_back()
         record.add(logp, loss, stats)
         del logp, loss, hand_back
+    record.seconds["replay"] = time.perf_counter() - started
     return record
 
 
@@ -453,17 +456,11 @@ def _accumulate(
         deterministic_when_exact(prompt_grad),
         grads_drained_into(params, contribution),
     ):
-        started = time.perf_counter()
         record = replay_group_branches(
-            model,
-            state,
-            inputs,
-            loss_config,
-            cotangent,
-            segment_tokens=branch_segment_tokens,
-            share_prefixes=share_prefixes,
-        )
-        seconds["replay"] = time.perf_counter() - started
+            model, state, inputs, loss_config, cotangent,
+            segment_tokens=branch_segment_tokens, share_prefixes=share_prefixes,
+        )  # fmt: skip
+        seconds["replay"] = record.seconds["replay"]
         if cotangent is not None:
             started = time.perf_counter()
             sweep_prompt_shards(model, state, cotangent)
