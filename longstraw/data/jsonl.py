@@ -117,7 +117,7 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         # The record is one line, so its "line 1" is the file's line already named.
         return f"invalid JSON ({_LINE_1.sub(' at column', detail)})"
     if kind in ("string_too_short", "too_short"):
-        return "is empty; give it at least one character (or token id), or remove the line"
+        return "is empty; give it at least 1 character (text) or token id, or remove the line"
     if kind == "model_type":
         return "each line must be a JSON object"
     if kind == "extra_forbidden":
