@@ -75,7 +75,10 @@ def train_command(
         bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
     ] = False,
     debug: Annotated[
-        bool, typer.Option(help="Show the traceback of a configuration or input error.")
+        bool,
+        typer.Option(
+            help="Show the traceback of a configuration or input error (and Prefect's logs of it)."
+        ),
     ] = False,
 ) -> None:
     """Run GRPO training. With no arguments: the embedded default (no server, local storage,
@@ -93,6 +96,7 @@ def train_command(
             root=root,
             world_size=world_size,
             use_prefect=not no_prefect,
+            debug=debug,
         )
     except Interrupted as stop:
         _error_line(str(stop), prefix="")

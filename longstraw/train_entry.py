@@ -230,6 +230,7 @@ def run_training(
     root: str | None,
     world_size: int | None = None,
     use_prefect: bool = True,
+    debug: bool = False,
 ) -> list:
     configure_prefect_environment(Path.cwd() / ".longstraw")
     interrupted = _Signals()
@@ -252,7 +253,7 @@ def run_training(
         if int(os.environ.get("RANK", "0")) == 0:
             stack.enter_context(run_lease(config))
         try:
-            return _run(config, resume=resume, use_prefect=use_prefect)
+            return _run(config, resume=resume, use_prefect=use_prefect, debug=debug)
         except KeyboardInterrupt:
             signum = signals.received or signal.SIGINT
             raise Interrupted(
@@ -263,7 +264,7 @@ def run_training(
             ) from None
 
 
-def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
+def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = False) -> list:
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
@@ -300,6 +301,11 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool) -> list:
                 from longstraw.flows.train import train as train_flow
 
                 use_owned_ephemeral_server()  # survives the group's signal, dies with this one
+                if not debug:
+                    from longstraw.orchestration.console import hide_user_errors_on_console
+
+                    # A user error is printed once, as one line, when it reaches the CLI.
+                    hide_user_errors_on_console()
 
                 console.print(
                     "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"

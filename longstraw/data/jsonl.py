@@ -7,6 +7,7 @@ Blank lines are skipped.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -115,10 +116,15 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         detail = str(error.get("ctx", {}).get("error", error["msg"]))
         # The record is one line, so its "line 1" is the file's line already named.
         return f"invalid JSON ({_LINE_1.sub(' at column', detail)})"
+    if kind in ("string_too_short", "too_short"):
+        return "is empty; give it at least 1 character (text) or token id, or remove the line"
     if kind == "model_type":
         return "each line must be a JSON object"
     if kind == "extra_forbidden":
-        return f"unknown field; allowed fields: {', '.join(model.model_fields)}"
+        loc = error.get("loc", ())
+        close = difflib.get_close_matches(str(loc[-1]), model.model_fields, n=1) if loc else []
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"unknown field{hint}; allowed fields: {', '.join(model.model_fields)}"
     return error["msg"].removeprefix("Value error, ")
 
 
@@ -139,6 +145,12 @@ def _read_jsonl(path: str | os.PathLike, model: type[_Record]) -> Iterator[tuple
 
 def read_prompt_dataset(path: str | os.PathLike) -> Iterator[PromptRecord]:
     """Stream the prompt records of a JSONL file, checking each line and that ids are unique."""
+    for _, record in read_prompt_lines(path):
+        yield record
+
+
+def read_prompt_lines(path: str | os.PathLike) -> Iterator[tuple[int, PromptRecord]]:
+    """(line number, record) of each prompt of a JSONL file, checked as `read_prompt_dataset`."""
     first_line: dict[str, int] = {}
     for line_no, record in _read_jsonl(path, PromptRecord):
         if record.id in first_line:
@@ -149,7 +161,7 @@ def read_prompt_dataset(path: str | os.PathLike) -> Iterator[PromptRecord]:
                 f"duplicate id {record.id!r} (first on line {first_line[record.id]}); ids must be unique",
             )
         first_line[record.id] = line_no
-        yield record
+        yield line_no, record
 
 
 def read_response_file(

@@ -106,42 +106,63 @@ def _spec_name(spec: str | RewardFn) -> str:
     return spec if isinstance(spec, str) else _describe(spec)
 
 
-def _as_reward_value(value: Any, sample: int, name: str) -> float:
+class RewardError(UserError):
+    """A reward function raised, or returned something that is not a finite number: names the
+    function, the sample, the prompt and the value."""
+
+
+def _sample_of(sample: int, where: str | None) -> str:
+    return f"sample {sample}" + (f" of {where}" if where else "")
+
+
+def _as_reward_value(value: Any, sample: int, name: str, where: str | None = None) -> float:
     # Numbers, numpy scalars, 0-d tensors and bools (0/1) are accepted; strings and None are not.
+    fix = "fix the reward function: it must return a finite number for every response"
     if isinstance(value, (str, bytes)) or value is None:
         ok = False
     else:
         ok = isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     if not ok:
-        raise ValueError(
-            f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {sample}; "
-            "it must return a number"
+        raise RewardError(
+            f"reward function {name!r} returned {shown} ({type(value).__name__}) for "
+            f"{_sample_of(sample, where)}; it must return a number — {fix}"
         )
     try:
         result = float(value)
     except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"reward function {name!r} returned {value!r} for sample {sample}, which is not a number"
+        raise RewardError(
+            f"reward function {name!r} returned {shown} for {_sample_of(sample, where)}, which is "
+            f"not a number — {fix}"
         ) from err
     if not math.isfinite(result):
-        raise ValueError(
-            f"reward function {name!r} returned {result} for sample {sample}; rewards must be finite"
+        raise RewardError(
+            f"reward function {name!r} returned {result} for {_sample_of(sample, where)}; rewards "
+            f"must be finite — {fix}"
         )
     return result
 
 
-class RewardError(UserError):
-    """A user's reward function raised: names the function and the sample."""
-
-
-def _call_reward(fn: RewardFn, name: str, sample: int, prompt: str, response: str, meta: dict):
+def _call_reward(
+    fn: RewardFn,
+    name: str,
+    sample: int,
+    prompt: str,
+    response: str,
+    meta: dict,
+    where: str | None = None,
+):
     try:
         return fn(prompt, response, dict(meta))
     except Exception as err:
+        detail = " ".join(str(err).split())
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
         raise RewardError(
-            f"reward function {name!r} raised {type(err).__name__}: {err} on sample {sample} "
-            f"(response {response[:60]!r}) — fix the reward function; it must return a number "
-            "for every (prompt, response, metadata)"
+            f"reward function {name!r} raised {type(err).__name__}: {detail} on "
+            f"{_sample_of(sample, where)} (response {response[:60]!r}) — fix the reward function; "
+            "it must return a number for every (prompt, response, metadata) (--debug shows its "
+            "traceback)"
         ) from err
 
 
@@ -150,8 +171,12 @@ def score_group_per_func(
     prompt: str,
     responses: Sequence[str],
     metadata: Mapping[str, Any] | None = None,
+    *,
+    where: str | None = None,
 ) -> list[list[float]]:
-    """[G][F] reward of each response under each reward function, validated finite numbers."""
+    """[G][F] reward of each response under each reward function, validated finite numbers.
+
+    `where` names the prompt in errors ("prompt 'q7' (group 0 of step 3)")."""
     if not reward_specs:
         raise ValueError("no reward functions given; pass at least one reward spec")
     fns = [get_reward(s) for s in reward_specs]
@@ -162,7 +187,7 @@ def score_group_per_func(
         # Each call gets its own shallow copy: a function that mutates metadata cannot leak into
         # the next sample's score.
         row = [
-            _as_reward_value(_call_reward(fn, n, i, prompt, response, meta), i, n)
+            _as_reward_value(_call_reward(fn, n, i, prompt, response, meta, where), i, n, where)
             for fn, n in zip(fns, names, strict=True)
         ]
         table.append(row)
@@ -175,11 +200,14 @@ def score_group(
     prompt: str,
     responses: Sequence[str],
     metadata: Mapping[str, Any] | None = None,
+    *,
+    where: str | None = None,
 ) -> list[float]:
     """[G] total reward of each response: sum over reward functions of weight * reward.
 
-    `weights` has one entry per spec (None: all 1.0, as TRL). Raises ValueError naming the sample
-    and the function when a reward is not a number or not finite.
+    `weights` has one entry per spec (None: all 1.0, as TRL). Raises RewardError (a ValueError)
+    naming the function, the sample and `where` (the prompt) when a reward raises or is not a
+    finite number.
     """
     if weights is not None and len(weights) != len(reward_specs):
         raise ValueError(
@@ -187,5 +215,5 @@ def score_group(
             "weight per function (GRPOConfig.reward_weights) or none"
         )
     w = [1.0] * len(reward_specs) if weights is None else [float(x) for x in weights]
-    table = score_group_per_func(reward_specs, prompt, responses, metadata)
+    table = score_group_per_func(reward_specs, prompt, responses, metadata, where=where)
     return [math.fsum(wf * r for wf, r in zip(w, row, strict=True)) for row in table]

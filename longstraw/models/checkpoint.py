@@ -3,7 +3,9 @@
 A prompt state is only valid for the weights it was computed with, so every checkpoint carries a
 weights digest: the sha256 over its safetensors files, computed once when the checkpoint is
 written and stored in `longstraw.json` (nothing re-hashes weights per step). A user's checkpoint
-without that file gets it computed once on first load.
+without that file is hashed once on first load, and the result is recorded under the run's
+storage (`record_dir`), never in the user's directory: a read-only model volume works, and the
+record is used again while the weights files keep their sizes and modification times.
 
 The same pass records every file's size and sha256 (`files`), so a reader can tell a damaged or
 truncated checkpoint from a good one (`verify_checkpoint_files`) instead of training on it.
@@ -138,18 +140,66 @@ def verify_checkpoint_files(path: str | Path, meta: CheckpointMetadata) -> None:
             )
 
 
-def read_checkpoint_metadata(path: str | Path) -> CheckpointMetadata:
-    """The recorded metadata, or (for a user's checkpoint) digest computed now at version 0."""
-    target = Path(path) / METADATA_FILE
+def _weights_stat(path: Path) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of the weights files: what tells a record is still current."""
+    return {
+        f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.glob("*.safetensors"))
+    }
+
+
+def metadata_record_path(path: str | Path, record_dir: str | Path) -> Path:
+    """Where the metadata of the user's checkpoint `path` is recorded under `record_dir`."""
+    resolved = str(Path(path).expanduser().resolve())
+    key = hashlib.sha256(resolved.encode()).hexdigest()[:24]
+    return Path(record_dir) / f"{Path(resolved).name or 'checkpoint'}-{key}.json"
+
+
+# Process-local: a user's checkpoint hashed without a record_dir is hashed once per process.
+_COMPUTED: dict[tuple[str, str], CheckpointMetadata] = {}
+
+
+def read_checkpoint_metadata(
+    path: str | Path, *, record_dir: str | Path | None = None
+) -> CheckpointMetadata:
+    """The checkpoint's `longstraw.json` (LongStraw's own checkpoints); for a user's checkpoint
+    without one, its record under `record_dir` while the weights files are unchanged, else its
+    digest computed now at version 0 (and recorded under `record_dir`). Never writes into
+    `path`."""
+    path = Path(path)
+    target = path / METADATA_FILE
     if target.exists():
         return CheckpointMetadata.model_validate(json.loads(target.read_text()))
-    return write_checkpoint_metadata(path, policy_version=0)
+    stat = _weights_stat(path)
+    key = (str(path.resolve()), json.dumps(stat, sort_keys=True))
+    record = metadata_record_path(path, record_dir) if record_dir is not None else None
+    if record is not None and record.is_file():
+        try:
+            saved = json.loads(record.read_text())
+            if saved.get("weights_stat") == stat:
+                return CheckpointMetadata.model_validate(saved["metadata"])
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable or old record is computed again
+    meta = _COMPUTED.get(key)
+    if meta is None:
+        meta = _COMPUTED[key] = checkpoint_metadata_of(path, policy_version=0)
+    if record is not None:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        body = {
+            "checkpoint": key[0],
+            "weights_stat": stat,
+            "metadata": meta.model_dump(mode="json"),
+        }
+        tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(body, indent=2))
+        os.replace(tmp, record)
+    return meta
 
 
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype = torch.float32
+    path: str | Path, *, dtype: torch.dtype = torch.float32, record_dir: str | Path | None = None
 ) -> tuple[PreTrainedModel, object, CheckpointMetadata]:
-    """Load (model, tokenizer, metadata) from a HF directory exactly as a user's checkpoint loads."""
+    """Load (model, tokenizer, metadata) from a HF directory exactly as a user's checkpoint loads
+    (`record_dir`: see `read_checkpoint_metadata`)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(
@@ -158,4 +208,4 @@ def load_checkpoint(
         )
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return model, tokenizer, read_checkpoint_metadata(path)
+    return model, tokenizer, read_checkpoint_metadata(path, record_dir=record_dir)

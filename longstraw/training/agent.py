@@ -43,7 +43,9 @@ def sample_trajectories(ctx, state, example, params, generator) -> list[AgentTra
     )
 
 
-def trajectory_rewards(config, example, trajectories: list[AgentTrajectory]) -> list[float]:
+def trajectory_rewards(
+    config, example, trajectories: list[AgentTrajectory], *, where: str | None = None
+) -> list[float]:
     """[G] the environment's reward; `agent.error_reward` after an error; `data.rewards` on the
     last assistant turn when the environment gave none."""
     rewards: list[float | None] = [
@@ -57,6 +59,7 @@ def trajectory_rewards(config, example, trajectories: list[AgentTrajectory]) -> 
             example.text or "",
             [trajectories[i].text for i in unscored],
             example.metadata,
+            where=where,
         )
         for i, reward in zip(unscored, scored, strict=True):
             rewards[i] = reward

@@ -116,6 +116,12 @@ def initial_checkpoint(config: RunConfig) -> Path:
     return path
 
 
+def model_records(config: RunConfig) -> Path:
+    """Where the weights digests of users' checkpoints are recorded (their own directories may
+    be read-only): beside the run's checkpoints, shared by the runs of a storage root."""
+    return local_root(config.storage) / "model-records"
+
+
 def model_device(config: RunConfig) -> torch.device:
     """Where this process computes: its local rank's GPU when there is one, else the CPU."""
     if config.model.device == "cpu" or not torch.cuda.is_available():
@@ -145,7 +151,7 @@ def start_policy(config: RunConfig, *, resume: bool = False) -> PolicyRef:
             checkpoint=checkpoint,
         )
     path = initial_checkpoint(config)
-    meta = read_checkpoint_metadata(path)
+    meta = read_checkpoint_metadata(path, record_dir=model_records(config))
     checkpoint = CheckpointRef(
         uri=f"file://{path.resolve()}",
         weights_digest=meta.weights_digest,
@@ -177,7 +183,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     if not policy.checkpoint_is_run_start:
         valid_checkpoint(path)  # a damaged file of the run's checkpoint is named, never loaded
     dtype = _DTYPES[config.model.dtype]
-    model, tokenizer, meta = load_checkpoint(path, dtype=dtype)
+    model, tokenizer, meta = load_checkpoint(path, dtype=dtype, record_dir=model_records(config))
     model.to(model_device(config))
     # No dropout in these families; eval() keeps transformers off train-only paths.
     model.train(False)
@@ -228,11 +234,14 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         )
     if config.grpo.beta > 0:
         ref_path = Path(config.model.reference_checkpoint or initial_checkpoint(config))
-        reference, _, ref_meta = load_checkpoint(ref_path, dtype=dtype)
+        reference, _, ref_meta = load_checkpoint(
+            ref_path, dtype=dtype, record_dir=model_records(config)
+        )
         reference.to(model_device(config))
         reference.requires_grad_(False)
         ctx.reference_model = reference
         ctx.reference_digest = (
-            read_checkpoint_metadata(ref_path).weights_digest or ref_meta.weights_digest
+            read_checkpoint_metadata(ref_path, record_dir=model_records(config)).weights_digest
+            or ref_meta.weights_digest
         )
     return ctx

@@ -1,16 +1,26 @@
 """Checks that fail a run in one line before anything expensive starts (Prefect, a prefill).
 
 `preflight(config, resume)` raises `UserError` ("<what> — <fix>") for the first problem found:
-the model checkpoint, `--resume` without a committed checkpoint, reward specs that do not import
-or do not take `(prompt, response, metadata)`, an agent environment that does not load, a storage root that cannot be written, more ranks
-than prefill shards, a missing JSONL dataset. Each check is cheap: no weights are loaded.
+the model checkpoint, `--resume` without a committed checkpoint, a storage root that cannot be
+written, a missing JSONL dataset, reward specs that do not import or do not take
+`(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an agent
+environment that does not load, more ranks than prefill shards, `parallel.backend: nccl` without
+a GPU per rank, every prompt of a JSONL dataset (each line parses, token ids inside the model's
+vocabulary, prompt + response within its positions), and the free space of a local root against
+what one step writes. No weights are loaded; a JSONL dataset is read (and its text prompts
+tokenized) once per process.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
+import os
+import shutil
+import struct
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from longstraw.errors import UserError
@@ -25,10 +35,14 @@ def preflight(config: RunConfig, resume: bool) -> None:
     check_resume(config, resume)
     check_data(config)
     check_rewards(config)
+    check_reward_weights(config)
     check_environment(config)
     check_world_size(config)
     check_sharded_branches(config)
+    check_backend(config)
     check_storage_writable(config)
+    lengths = check_prompts(config)
+    check_free_space(config, lengths)
 
 
 def check_model(config: RunConfig) -> None:
@@ -190,3 +204,282 @@ def check_storage_writable(config: RunConfig) -> None:
             f"storage.root_uri {storage.root_uri} is not writable ({type(err).__name__}: {first}) "
             f"— check the bucket and the credentials in {S3_CREDENTIALS} (or storage.s3_endpoint_url)"
         ) from err
+
+
+def check_reward_weights(config: RunConfig) -> None:
+    """One weight per reward of `data.rewards` (a JSONL record's own `reward` is checked with
+    the records)."""
+    weights = config.grpo.reward_weights
+    if weights is not None and len(weights) != len(config.data.rewards):
+        raise UserError(
+            f"grpo.reward_weights has {len(weights)} weight(s) for the {len(config.data.rewards)} "
+            f"reward(s) of data.rewards ({', '.join(config.data.rewards)}) — give one weight per "
+            "reward, in the same order, or remove grpo.reward_weights"
+        )
+
+
+def check_backend(config: RunConfig) -> None:
+    """NCCL moves tensors between GPUs only: every rank needs its own CUDA device."""
+    parallel = config.parallel
+    if parallel.backend != "nccl" or parallel.world_size == 1:
+        return  # one process opens no process group
+    import torch
+
+    fix = "set parallel.backend: gloo to run the ranks on CPUs"
+    if config.model.device == "cpu":
+        raise UserError(f"parallel.backend nccl needs GPUs, but model.device is cpu — {fix}")
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"parallel.backend nccl needs GPUs, but CUDA is not available on this machine "
+            f"(torch {torch.__version__}) — {fix}, or run on a machine with CUDA GPUs"
+        )
+    # Ranks on this machine: what torchrun started here, or all of them when train spawns them.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size))
+    count = torch.cuda.device_count()
+    if local > count:
+        raise UserError(
+            f"parallel.backend nccl runs {local} ranks on this machine but it has {count} GPU(s) "
+            f"— lower parallel.world_size to {count}, or spread the ranks over machines with "
+            "torchrun"
+        )
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    vocab_size: int
+    max_positions: int | None
+    """None: RoPE scaling, no fixed limit."""
+    config: object
+    """The transformers config (text part)."""
+
+
+def _model_facts(config: RunConfig) -> _ModelFacts:
+    from transformers import AutoConfig
+
+    from longstraw.models.adapters import _text_config, state_spec
+    from longstraw.models.factory import build_config
+
+    m = config.model
+    hf = (
+        AutoConfig.from_pretrained(str(Path(m.checkpoint).expanduser()))
+        if m.checkpoint is not None
+        else build_config(m.init_family, m.init_size)
+    )
+    text = _text_config(hf)
+    return _ModelFacts(text.vocab_size, state_spec(hf).max_positions, hf)
+
+
+# JSONL datasets that passed, by (file, size, mtime, model, settings): `longstraw train` checks
+# before Prefect starts and the flow checks again at its start, in the same process.
+_CHECKED_DATASETS: dict[tuple, list[int]] = {}
+
+
+def check_prompts(config: RunConfig) -> list[int]:
+    """The token count of every prompt of the run (a haystack run: its task length), after
+    checking each against the model: ids inside the vocabulary, prompt + grpo.max_completion_length
+    within max_position_embeddings. A JSONL dataset is read line by line; an error names the
+    file and the line."""
+    facts = _model_facts(config)
+    response = config.grpo.max_completion_length
+    if config.data.type != "jsonl":
+        tokens = config.data.task.num_prompt_tokens
+        _check_length(facts, tokens, response, "data.task.num_prompt_tokens", config)
+        return [tokens]
+    path = Path(config.data.path).expanduser()
+    stat = path.stat()
+    key = (
+        str(path.resolve()),
+        stat.st_size,
+        stat.st_mtime_ns,
+        config.model.model_dump_json(),
+        response,
+        config.grpo.reward_weights is None or len(config.grpo.reward_weights),
+        config.agent is not None and config.agent.model_dump_json(),
+    )
+    if key not in _CHECKED_DATASETS:
+        _CHECKED_DATASETS[key] = _check_jsonl_prompts(config, path, facts)
+    return _CHECKED_DATASETS[key]
+
+
+def _check_length(facts: _ModelFacts, tokens: int, response: int, what: str, config) -> None:
+    limit = facts.max_positions
+    if limit is None or tokens + response <= limit:
+        return
+    model = config.model.checkpoint or f"the built {config.model.init_family} model"
+    raise UserError(
+        f"{what} is {tokens} tokens; with grpo.max_completion_length {response} it needs "
+        f"{tokens + response} positions, but {model} supports {limit} (max_position_embeddings, "
+        "no RoPE scaling) — shorten the prompt, lower grpo.max_completion_length, or use a "
+        "checkpoint whose config scales RoPE (rope_type yarn)"
+    )
+
+
+def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> list[int]:
+    from longstraw.data.jsonl import DataFormatError, read_prompt_lines
+    from longstraw.training.prompts import record_prompt_ids
+
+    tokenizer = None
+    framing = 0  # tokens the chat template adds around an agent run's prompt
+    weights = config.grpo.reward_weights
+    lengths: list[int] = []
+    try:
+        for line, record in read_prompt_lines(path):
+            where = f"data.path {path}:{line}: prompt {record.id!r}"
+            if record.reward is not None and weights is not None and len(weights) != 1:
+                raise UserError(
+                    f"{where} names its own reward {record.reward!r}, but grpo.reward_weights "
+                    f"has {len(weights)} weights — remove grpo.reward_weights, or the record's "
+                    "'reward' (then it is scored by data.rewards)"
+                )
+            if record.prompt_ids is None and tokenizer is None:
+                tokenizer, framing = _tokenizer_and_framing(config)
+            ids = record_prompt_ids(record, tokenizer)
+            if not ids:
+                raise UserError(
+                    f"{where} is empty after tokenization — give it some text, or remove the line"
+                )
+            low, high = min(ids), max(ids)
+            if high >= facts.vocab_size:
+                at = ids.index(high)
+                raise UserError(
+                    f"{where}: prompt_ids[{at}] is {high}, outside the vocabulary of the model "
+                    f"(vocab_size {facts.vocab_size}) — tokenize the prompts with the checkpoint's "
+                    "own tokenizer, or give the text as 'prompt'"
+                )
+            assert low >= 0, low  # PromptRecord's TokenId is >= 0
+            if config.agent is not None and tokenizer is None:
+                tokenizer, framing = _tokenizer_and_framing(config)
+            _check_length(
+                facts, len(ids) + framing, config.grpo.max_completion_length, where, config
+            )
+            lengths.append(len(ids) + framing)
+    except DataFormatError as err:
+        raise UserError(
+            f"data.path {err} — fix that line (the format: docs/data.md, one JSON object per line)"
+        ) from err
+    if not lengths:
+        raise UserError(
+            f"data.path {path} holds no prompts — write one JSON object per line "
+            '({"id": ..., "prompt": ...}, docs/data.md), or point data.path at another file'
+        )
+    return lengths
+
+
+def _tokenizer_and_framing(config: RunConfig) -> tuple[object, int]:
+    """The run's tokenizer (the configured checkpoint's; the demo model is built for it) and the
+    tokens an agent run's chat template adds around each prompt (0 without an agent)."""
+    from transformers import AutoTokenizer
+
+    from longstraw.training.context import initial_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(initial_checkpoint(config)))
+    if config.agent is None:
+        return tokenizer, 0
+    from longstraw.data.environments import system_prompt
+    from longstraw.data.trajectory import chat_prompt_ids
+
+    system = system_prompt(config.agent.environment) if config.agent.system_prompt else None
+    return tokenizer, len(chat_prompt_ids(tokenizer, [], system=system))
+
+
+_GIB = 2**30
+# What one step writes besides the arrays and the weights: JSON manifests (a few KiB per prompt
+# state and per prefill shard), the rollout records, metrics rows and curves (about 20 KiB for
+# the demo's step). Negligible at real scale; it keeps the estimate above a tiny run's writes.
+_MANIFEST_BYTES_PER_PROMPT = 32 * 2**10
+_MANIFEST_BYTES_PER_SHARD = 2 * 2**10
+_RECORD_BYTES_PER_STEP = 256 * 2**10
+
+
+def step_write_bytes(config: RunConfig, lengths: list[int]) -> dict[str, int]:
+    """Bytes one step writes at most, by kind: the prompt states of its groups (the longest
+    prompts; twice with a reference model, whose states are written once per prompt), a
+    checkpoint (weights in the run's dtype, AdamW's two fp32 moments, fp32 masters of bf16
+    weights, the starting checkpoint's other files) and the step's records.
+
+    `lengths`: the token count of each distinct prompt (`check_prompts`)."""
+    import torch
+
+    from longstraw.engine.layer_kinds import allocate_state_arrays
+    from longstraw.engine.state import shard_bounds
+    from longstraw.models.adapters import state_spec
+
+    facts = _model_facts(config)
+    spec = state_spec(facts.config)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    groups = config.train.groups_per_step
+    if config.data.type != "jsonl":
+        lengths = lengths * min(groups, config.data.num_prompts)  # distinct seeds, one length
+    states = 0
+    if config.storage.persist_mode != "off":
+        for tokens in sorted(lengths, reverse=True)[:groups]:
+            num_shards = len(shard_bounds(tokens - 1, config.engine.shard_tokens))
+            arrays = allocate_state_arrays(
+                spec,
+                # One chunk per shard, the last one stored whole (Zarr pads it).
+                num_tokens=num_shards * config.engine.shard_tokens,
+                num_checkpoints=num_shards + 1,
+                dtype=dtype,
+                device="meta",
+            )
+            states += sum(a.numel() * a.element_size() for a in arrays.values() if a is not None)
+            states += _MANIFEST_BYTES_PER_PROMPT + num_shards * _MANIFEST_BYTES_PER_SHARD
+        if config.grpo.beta > 0:
+            states *= 2
+    params, other_files = _checkpoint_numel(config, facts)
+    per_param = dtype.itemsize + 8 + (4 if dtype != torch.float32 else 0)
+    return {
+        "prompt states": states,
+        "checkpoint": params * per_param + other_files,
+        "records": _RECORD_BYTES_PER_STEP,
+    }
+
+
+def _checkpoint_numel(config: RunConfig, facts: _ModelFacts) -> tuple[int, int]:
+    """(parameters, bytes of the files beside the weights) of the run's starting checkpoint:
+    from the safetensors headers of a configured one, from the config of one to be built."""
+    if config.model.checkpoint is not None:
+        path = Path(config.model.checkpoint).expanduser()
+        total = 0
+        for file in sorted(path.glob("*.safetensors")):
+            with open(file, "rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(size))
+            total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        others = sum(
+            f.stat().st_size for f in path.iterdir() if f.is_file() and f.suffix != ".safetensors"
+        )
+        return total, others
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(facts.config)
+    return sum(p.numel() for p in model.parameters()), 0
+
+
+def check_free_space(config: RunConfig, lengths: list[int]) -> None:
+    """The local directory a step writes to has room for that step (an S3 root's prompt states
+    are not counted: a bucket has no free space to ask for)."""
+    from longstraw.storage.checkpoints import local_root
+
+    writes = step_write_bytes(config, lengths)
+    if not config.storage.root_uri.startswith("file://"):
+        writes.pop("prompt states")  # they go to the bucket
+    directory = local_root(config.storage)
+    needed = sum(writes.values())
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        parts = ", ".join(f"{name} {_size(n)}" for name, n in writes.items() if n)
+        raise UserError(
+            f"{directory} has {_size(free)} free, but one step writes about {_size(needed)} "
+            f"({parts}) — free at least {_size(needed - free)} there, or point storage at a "
+            "larger volume"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

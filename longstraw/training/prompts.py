@@ -79,12 +79,7 @@ class JsonlPrompts:
 
     def __call__(self, index: int) -> PromptExample:
         record = self.records[index % len(self.records)]
-        if record.prompt_ids is not None:
-            ids = torch.tensor(record.prompt_ids, dtype=torch.int64)
-        else:
-            ids = torch.tensor(
-                self.tokenizer.encode(record.prompt, add_special_tokens=False), dtype=torch.int64
-            )
+        ids = torch.tensor(record_prompt_ids(record, self.tokenizer), dtype=torch.int64)
         metadata = dict(record.metadata)
         if record.answer is not None:
             metadata.setdefault("answer", record.answer)
@@ -95,6 +90,14 @@ class JsonlPrompts:
             metadata=metadata,
             text=record.prompt,
         )
+
+
+def record_prompt_ids(record, tokenizer) -> list[int]:
+    """[P] a JSONL record's prompt as the model sees it: its `prompt_ids`, or its text tokenized
+    by the run's tokenizer without special tokens."""
+    if record.prompt_ids is not None:
+        return list(record.prompt_ids)
+    return list(tokenizer.encode(record.prompt, add_special_tokens=False))
 
 
 def prompt_source(config: HaystackDataConfig | JsonlDataConfig, tokenizer):

@@ -232,6 +232,7 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
             example.text or "",
             [r.text or "" for r in responses],
             example.metadata,
+            where=prompt_in_step(example.prompt_id, prompt.index, policy.step),
         )
         if is_writer()
         else []
@@ -253,6 +254,11 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
     )
     seconds = {"rollout": rollout_seconds, "reward": time.perf_counter() - started}
     return _stored_rollout(config, policy, record, seconds, traffic)
+
+
+def prompt_in_step(prompt_id: str, index: int, step: int) -> str:
+    """How errors name a group's prompt: its id, its group and the step."""
+    return f"prompt {prompt_id!r} (group {index} of step {step})"
 
 
 def _stored_rollout(config, policy, record: RolloutRecord, seconds, traffic) -> RolloutRef:
@@ -278,7 +284,12 @@ def _agent_rollout_ref(ctx, policy, prompt, example, trajectories, started, traf
     rollout_seconds = time.perf_counter() - started
     started = time.perf_counter()
     register_haystack_rewards()
-    rewards = trajectory_rewards(config, example, trajectories)
+    rewards = trajectory_rewards(
+        config,
+        example,
+        trajectories,
+        where=prompt_in_step(example.prompt_id, prompt.index, policy.step),
+    )
     record = RolloutRecord(
         prompt=prompt,
         response_ids=[t.token_ids for t in trajectories],

@@ -8,12 +8,17 @@ Legend: P prompt tokens, V vocab.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from longstraw.models.checkpoint import read_checkpoint_metadata, weights_digest_of
+from longstraw.models.checkpoint import (
+    metadata_record_path,
+    read_checkpoint_metadata,
+    weights_digest_of,
+)
 from longstraw.models.factory import FAMILIES, SIZES, build_config, init_model
 
 SEED = 42
@@ -138,13 +143,27 @@ def test_same_seed_gives_the_same_digest_and_another_seed_does_not(tmp_path, che
     assert read_checkpoint_metadata(other).weights_digest != reference
 
 
-def test_user_checkpoint_without_metadata_gets_its_digest_computed_once(tmp_path):
+def test_user_checkpoint_without_metadata_is_recorded_outside_its_directory(tmp_path):
     path = init_model("llama", "tiny", tmp_path / "user", seed=SEED)
     expected = weights_digest_of(path)
     (path / "longstraw.json").unlink()
-    meta = read_checkpoint_metadata(path)
+    before = sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir())
+    records = tmp_path / "root" / "model-records"
+    meta = read_checkpoint_metadata(path, record_dir=records)
     assert (meta.weights_digest, meta.policy_version) == (expected, 0)
-    assert (path / "longstraw.json").exists()
+    assert sorted((f.name, f.stat().st_mtime_ns) for f in path.iterdir()) == before
+    record = metadata_record_path(path, records)
+    assert json.loads(record.read_text())["metadata"]["weights_digest"] == expected
+    # The record is what a second read uses: a forged digest in it comes back...
+    body = json.loads(record.read_text())
+    body["metadata"]["weights_digest"] = "f" * 64
+    record.write_text(json.dumps(body))
+    assert read_checkpoint_metadata(path, record_dir=records).weights_digest == "f" * 64
+    # ...until the weights file changes (another size or modification time): hashed again.
+    weights = path / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert read_checkpoint_metadata(path, record_dir=records).weights_digest == expected
+    assert json.loads(record.read_text())["metadata"]["weights_digest"] == expected
 
 
 def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -141,5 +142,151 @@ def test_segments_on_ranks_are_refused_only_for_glm(tmp_path, checkpoint_dir):
     check_sharded_branches(config("qwen3_5", share_response_prefixes=True))
     check_sharded_branches(config("glm_moe_dsa"))
     for engine in ({"branch_segment_tokens": 8}, {"share_response_prefixes": True}):
-        with pytest.raises(UserError, match="GLM-5 .*parallel.world_size: 1"):
+        with pytest.raises(UserError, match=r"GLM-5 .*parallel\.world_size: 1"):
             check_sharded_branches(config("glm_moe_dsa", **engine))
+
+
+def _jsonl(tmp_path: Path, lines: list[str], name: str = "prompts.jsonl", **data) -> dict:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return {"data": {"type": "jsonl", "path": str(path), "rewards": ["haystack_exact"], **data}}
+
+
+@pytest.mark.parametrize(
+    ("lines", "pattern"),
+    [
+        (
+            ['{"id": "a", "prompt_ids": [1, 2]}', '{"id": "b", "prompt_ids": [1,'],
+            r":2: invalid JSON",
+        ),
+        (
+            ['{"id": "a", "promt": "x"}'],
+            r":1: field 'promt': unknown field \(did you mean 'prompt'\?\)",
+        ),
+        (['{"id": "a", "prompt": ""}'], r":1: field 'prompt': is empty"),
+        (['{"id": "a", "prompt_ids": []}'], r":1: field 'prompt_ids': is empty"),
+        (["", "   "], r"prompts.jsonl holds no prompts"),
+        (
+            ['{"id": "a", "prompt_ids": [1, 2]}', '{"id": "b", "prompt_ids": [3, 512, 4]}'],
+            r":2: prompt 'b': prompt_ids\[1\] is 512, outside the vocabulary .*vocab_size 512",
+        ),
+    ],
+    ids=["bad-json", "misspelt-field", "empty-prompt", "empty-ids", "no-prompts", "vocab"],
+)
+def test_jsonl_prompt_errors_name_the_file_and_the_line(tmp_path, checkpoint_dir, lines, pattern):
+    model = {"model": {"checkpoint": str(checkpoint_dir("qwen3_5"))}}
+    message = _fails(_config(tmp_path, **model, **_jsonl(tmp_path, lines)), pattern)
+    assert message.startswith(f"data.path {tmp_path / 'prompts.jsonl'}"), message
+
+
+def test_jsonl_text_prompts_are_tokenized_and_pass(tmp_path, checkpoint_dir):
+    from longstraw.training.preflight import check_prompts
+
+    lines = ['{"id": "a", "prompt": "key 12 has value 7"}', '{"id": "b", "prompt_ids": [5, 6, 7]}']
+    config = _config(
+        tmp_path, model={"checkpoint": str(checkpoint_dir("qwen3_5"))}, **_jsonl(tmp_path, lines)
+    )
+    preflight(config, False)
+    lengths = check_prompts(config)
+    assert lengths[1] == 3 and lengths[0] > 1, lengths
+
+
+def test_a_prompt_longer_than_the_model_supports_is_refused(tmp_path, checkpoint_dir):
+    # The tiny checkpoint with max_position_embeddings 40 (its weights linked, not copied).
+    source = checkpoint_dir("llama")
+    short = tmp_path / "short-model"
+    short.mkdir()
+    for file in source.iterdir():
+        (short / file.name).symlink_to(file)
+    (short / "config.json").unlink()
+    raw = json.loads((source / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 40}))
+    model = {"model": {"checkpoint": str(short)}}
+    # The default haystack task: 64-token prompts, 2 response tokens.
+    _fails(
+        _config(tmp_path, **model),
+        r"data.task.num_prompt_tokens is 64 tokens; with grpo.max_completion_length 2 it needs "
+        r"66 positions, but .*short-model supports 40 \(max_position_embeddings",
+    )
+    ids = list(range(1, 40))  # 39 tokens + 2 response tokens = 41 positions
+    lines = [
+        '{"id": "fits", "prompt_ids": [1, 2, 3]}',
+        json.dumps({"id": "long", "prompt_ids": ids}),
+    ]
+    _fails(_config(tmp_path, **model, **_jsonl(tmp_path, lines)), r":2: prompt 'long' is 39 tokens")
+
+
+def test_reward_weights_must_match_the_rewards(tmp_path, checkpoint_dir):
+    rewards = {"type": "haystack", "rewards": ["haystack_exact", "haystack_partial"]}
+    preflight(_config(tmp_path, data=rewards, grpo={"reward_weights": [1.0, 0.5]}), False)
+    _fails(
+        _config(tmp_path, data=rewards, grpo={"reward_weights": [1.0]}),
+        r"grpo.reward_weights has 1 weight\(s\) for the 2 reward\(s\) of data.rewards "
+        r"\(haystack_exact, haystack_partial\)",
+    )
+    # A record with its own reward is scored by that one reward alone: one weight, or none.
+    lines = [
+        '{"id": "a", "prompt_ids": [1, 2]}',
+        '{"id": "b", "prompt_ids": [1, 2], "reward": "haystack_partial"}',
+    ]
+    data = _jsonl(tmp_path, lines, rewards=["haystack_exact", "haystack_partial"])
+    config = _config(
+        tmp_path,
+        model={"checkpoint": str(checkpoint_dir("qwen3_5"))},
+        grpo={"reward_weights": [1.0, 0.5]},
+        **data,
+    )
+    _fails(
+        config, r":2: prompt 'b' names its own reward 'haystack_partial', but grpo.reward_weights"
+    )
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused(tmp_path):
+    import torch
+
+    parallel = {"backend": "nccl", "world_size": 2}
+    _fails(
+        _config(tmp_path, parallel=parallel, model={"device": "cpu"}),
+        "parallel.backend nccl needs GPUs, but model.device is cpu — set parallel.backend: gloo",
+    )
+    if not torch.cuda.is_available():
+        _fails(_config(tmp_path, parallel=parallel), "CUDA is not available on this machine")
+    elif torch.cuda.device_count() < 2:
+        _fails(_config(tmp_path, parallel=parallel), "runs 2 ranks on this machine but it has 1")
+    # One process opens no process group: the backend is not used.
+    preflight(_config(tmp_path, parallel={"backend": "nccl"}, model={"device": "cpu"}), False)
+
+
+def _small_tmpfs(path: Path, size: str) -> bool:
+    """Mount a tmpfs of `size` at `path` where this process may (root in a VM or container
+    with CAP_SYS_ADMIN); False elsewhere."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def test_a_root_without_room_for_one_step_is_refused_naming_the_sizes(tmp_path):
+    from longstraw.training.preflight import check_prompts, step_write_bytes
+
+    disk = tmp_path / "small-disk"
+    if not _small_tmpfs(disk, "512k"):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        config = _config(
+            disk / "root", storage={"root_uri": str(disk / "root"), "persist_mode": "synchronous"}
+        )
+        writes = step_write_bytes(config, check_prompts(config))
+        # The demo's step: two 64-token prompt states and a checkpoint of the tiny model (MiB).
+        assert writes["checkpoint"] > 512 * 2**10 and writes["prompt states"] > 0, writes
+        message = _fails(
+            config,
+            r"has .* free, but one step writes about .* MiB \(prompt states .*, checkpoint .* MiB",
+        )
+        assert "free at least" in message and str(disk / "root") in message, message
+        assert not list((disk / "root").iterdir())  # the probe left nothing behind
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
