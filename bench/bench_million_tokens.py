@@ -390,13 +390,18 @@ def main() -> None:
         plot(json.loads(args.out.read_text())["runs"], args.plot)
         return
     args.work = args.work.resolve()
-    results = json.loads(args.out.read_text())["runs"] if args.resume and args.out.exists() else {}
+    previous = json.loads(args.out.read_text()) if args.resume and args.out.exists() else {}
+    results = previous.get("runs", {})
+    # A resumed plan keeps its recorded runs and the arguments they ran with: `args` is this
+    # invocation's, `earlier_args` those of the invocations before it (oldest first).
+    earlier = previous.get("earlier_args", []) + ([previous["args"]] if "args" in previous else [])
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".json.tmp")
         meta = {k: str(v) for k, v in vars(args).items()}
-        tmp.write_text(json.dumps({"args": meta, "runs": results}, indent=2))
+        document = {"args": meta} | ({"earlier_args": earlier} if earlier else {})
+        tmp.write_text(json.dumps(document | {"runs": results}, indent=2))
         os.replace(tmp, args.out)
 
     model = args.work / "model"
