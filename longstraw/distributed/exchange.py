@@ -50,9 +50,6 @@ class CrossRankExchange(PrefixExchange):
     def attention_enabled(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         return cross_rank_attention_enabled(model)
 
-    def branch_kind_kwargs(self, state) -> dict:
-        return cross_rank_kind_kwargs(state, self.group)
-
     def segment_kind_kwargs(self, state) -> dict:
         if state.spec.mla is not None:
             raise ValueError(
@@ -60,8 +57,8 @@ class CrossRankExchange(PrefixExchange):
                 f"a sequence-sharded {state.spec.model_type} (MLA) prompt state yet; unset them "
                 "or set parallel.world_size: 1"
             )
-        return {"full_attention": {"layer_class": CrossRankAttentionLayer, "group": self.group,
-                                   "owner": None}}  # fmt: skip
+        full = cross_rank_kind_kwargs(state, self.group)["full_attention"]
+        return {"full_attention": full}
 
     def replay_branch(
         self,

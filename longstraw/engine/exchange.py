@@ -10,9 +10,8 @@ responses as a prefix tree of their shared turns — is written once, in `engine
 - `attention_enabled(model)`: the attention function the model's layers run — LongStraw's prefix
   attention over this process's K/V, or the cross-rank one (every rank's partial over its
   positions all-gathered, the queries' gradient all-reduced);
-- `branch_kind_kwargs` / `segment_kind_kwargs`: each layer kind's cache-layer class and the
-  arguments only that placement has (its process group), for `layer_kinds.branch_layers` and
-  `layer_kinds.segment_layers`;
+- `segment_kind_kwargs`: each layer kind's cache-layer class for a long branch's segments and
+  the arguments only that placement has (its process group), for `layer_kinds.segment_layers`;
 - `replay_branch`: one whole response's log-probs and the hand-back of its forked
   linear-attention state's gradient.
 
@@ -37,11 +36,6 @@ class PrefixExchange:
 
     def attention_enabled(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         return prefix_attention_enabled(model)
-
-    def branch_kind_kwargs(self, state) -> dict | None:
-        """Per layer kind field, extra arguments of its `branch_layer` (None: the defaults)."""
-        del state
-        return None
 
     def segment_kind_kwargs(self, state) -> dict | None:
         """Per layer kind field, extra arguments of its `segment_layer` (None: the defaults)."""

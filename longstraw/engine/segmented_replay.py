@@ -68,10 +68,14 @@ def allocate_branch_state(
     `input_ids + [0]` whose "shards" are `bounds`; linear-attention entry k is the state at the
     start of bound k, entry 0 the prompt's final state (the branch starts from it)."""
     ids = torch.cat([input_ids.cpu(), torch.zeros(1, dtype=torch.long)])
-    dtype = next(t.dtype for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
-    device = next(t.device for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
+    # The state's first array (a whole state's or a rank's slice) gives its dtype and device.
+    like = next(t for t in (prompt.keys, prompt.conv, prompt.latent) if t is not None)
     branch = PrefixState.allocate(
-        prompt.spec, prompt_ids=ids, shard_tokens=max(1, ids.numel()), dtype=dtype, device=device
+        prompt.spec,
+        prompt_ids=ids,
+        shard_tokens=max(1, ids.numel()),
+        dtype=like.dtype,
+        device=like.device,
     )
     branch.bounds = tuple(bounds)
     if branch.conv is not None:
