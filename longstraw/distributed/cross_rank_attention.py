@@ -337,6 +337,10 @@ def cross_rank_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     """Run `model`'s full-attention (and GLM MLA) layers across ranks inside the block."""
     config = model.config
     previous = config._attn_implementation
+    if previous == ATTENTION_NAME:
+        # Already enabled by an enclosing block (a sampler's loop around each step's forward).
+        yield
+        return
     config._attn_implementation = ATTENTION_NAME
     family = contextlib.nullcontext()
     if is_glm(model):

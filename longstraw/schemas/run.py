@@ -215,11 +215,6 @@ class RunConfig(_Section):
     def _agent_fits(self) -> RunConfig:
         if self.agent is None:
             return self
-        if self.parallel.world_size > 1:
-            raise ValueError(
-                "agent is set but parallel.world_size > 1: multi-turn rollout runs in a single "
-                "process; remove agent or set parallel.world_size: 1"
-            )
         if getattr(self.data, "responses_path", None) is not None:
             raise ValueError(
                 "agent and data.responses_path are both set: either sample trajectories with "

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from longstraw.distributed.stage_group import active_group
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.schemas.refs import PolicyRef, PromptRef
 from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import StateKey
@@ -125,6 +126,17 @@ def sharded_state(ctx: RunContext, example: PromptExample):
             )
             _sharded_states[key] = found
         return found
+
+
+def prefix_exchange() -> PrefixExchange:
+    """How this process's stages read the prompt prefix: all of it here (one process), or
+    across the sequence group of the stage group this process is a rank of."""
+    group = active_group()
+    if group is None:
+        return LOCAL
+    from longstraw.distributed.exchange import CrossRankExchange
+
+    return CrossRankExchange(control=group.control)
 
 
 def prompt_state(ctx: RunContext, example: PromptExample):

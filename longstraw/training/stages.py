@@ -27,7 +27,7 @@ import torch.distributed as dist
 from longstraw.data.rewards import register_haystack_rewards
 from longstraw.distributed.stage_group import active_group, is_writer, on_all_ranks
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
-from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
+from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
 from longstraw.engine.state_tiers import state_traffic
 from longstraw.grpo.advantages import group_advantages
@@ -162,30 +162,30 @@ def sampling_params(ctx) -> SamplingParams:
 
 
 def _sample(ctx, state, generator):
-    if active_group() is None:
-        return sample_responses(
-            ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
-        )
-    from longstraw.distributed.sharded_rollout import sharded_sample_responses
-
-    return sharded_sample_responses(
-        ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
+    return sample_responses(
+        ctx.model,
+        state,
+        sampling_params(ctx),
+        generator=generator,
+        tokenizer=ctx.tokenizer,
+        exchange=held.prefix_exchange(),
     )
 
 
+@torch.no_grad()
 def score_logprobs(model, state, responses, *, temperature: float) -> list[torch.Tensor]:
     """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
-    if active_group() is None:
-        return score_responses(model, state, responses, temperature=temperature)
-    from longstraw.distributed.sharded_replay import sharded_branch_logprobs
-
-    with torch.no_grad():
-        return [
-            sharded_branch_logprobs(
-                model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature
-            )[0]
-            for r in responses
-        ]
+    exchange = held.prefix_exchange()
+    return [
+        exchange.replay_branch(
+            model,
+            state,
+            torch.as_tensor(r, dtype=torch.long),
+            temperature=temperature,
+            cotangent=None,
+        )[0]
+        for r in responses
+    ]
 
 
 @on_all_ranks

@@ -589,9 +589,87 @@ def rollout_against_single_process(
     out["sampled_stop_ids"] = stops
     out["sampled_stop_bytes"] = sent
     out["bytes_per_step"] = _decode_bytes_per_step(model, local, 4, out["sparse"])
+    out["agent"] = _agent_branches_against_single_process(model, reference, local, vocab)
     # Traffic does not grow with the prompt: the same greedy decode on a longer prompt.
     longer = sharded_prefill(model, _group(vocab, second_prompt_len)[0], shard_tokens=shard_tokens)
     _, out["greedy_bytes_second_prompt"] = sharded(greedy, state=longer)
+    return out
+
+
+class _ScriptedFraming:
+    """Chat framing of fixed ids (no tokenizer): an observation's ids spell its text's length."""
+
+    turn_stop_ids = ()
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def close_turn(self, stop_id):
+        return [5]
+
+    def observation(self, text: str):
+        return [7, 11 + len(text) % (self.vocab - 11), 13]
+
+
+class _ScriptedEnvironment:
+    """Answers turn n with an n-character observation, done after `turns` turns; raises at turn
+    `fail_at`. Counts its calls in `calls` (class-wide: every instance of the process)."""
+
+    calls = 0
+
+    def __init__(self, turns: int = 3, fail_at: int | None = None):
+        self.turns, self.fail_at, self.seen = turns, fail_at, 0
+
+    def reset(self, metadata):
+        type(self).calls += 1
+
+    def step(self, text):
+        type(self).calls += 1
+        self.seen += 1
+        if self.seen == self.fail_at:
+            raise RuntimeError(f"tool failed at turn {self.seen}")
+        return "x" * self.seen, self.seen >= self.turns, float(self.seen)
+
+
+def _agent_branches_against_single_process(model, reference, local, vocab) -> dict:
+    """Agent trajectories (greedy and seeded, and one whose tool fails) sampled on the ranks
+    against the same trajectories sampled by one process on the whole state."""
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.agent_rollout import TurnLimits, sample_agent_group
+    from longstraw.engine.rollout import SamplingParams
+
+    framing = _ScriptedFraming(vocab)
+    limits = TurnLimits(max_turns=4, max_turn_tokens=3, max_branch_tokens=40)
+
+    def trajectories(state, params, exchange=None, **env):
+        kwargs = {} if exchange is None else {"exchange": exchange}
+        return [
+            (t.token_ids, t.loss_mask, t.logprobs, t.finish_reason, t.reward, t.error)
+            for t in sample_agent_group(
+                model, state, lambda: _ScriptedEnvironment(**env), {}, framing, limits, params,
+                generator=torch.Generator().manual_seed(SEED), **kwargs,
+            )
+        ]  # fmt: skip
+
+    out = {}
+    for name, params, env in (
+        ("greedy", SamplingParams(num_samples=2, max_new_tokens=3, top_k=1), {}),
+        ("sampled", SamplingParams(num_samples=2, max_new_tokens=3, temperature=0.8), {}),
+        ("failing", SamplingParams(num_samples=1, max_new_tokens=3, top_k=1), {"fail_at": 2}),
+    ):
+        want = trajectories(reference, params, **env)
+        before = _ScriptedEnvironment.calls
+        got = trajectories(local, params, CrossRankExchange(), **env)
+        out[name] = {
+            "got": got,
+            "tokens_equal": [g[:2] + g[3:] for g in got] == [w[:2] + w[3:] for w in want],
+            "logp_max_diff": max(
+                abs(a - b)
+                for g, w in zip(got, want, strict=True)
+                for a, b in zip(g[2], w[2], strict=False)
+            ),
+            "environment_calls": _ScriptedEnvironment.calls - before,
+        }
     return out
 
 

@@ -306,3 +306,55 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     )
     history = read_metrics(tmp_path / "world2" / "runs" / "branches")
     assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
+
+
+def test_agent_run_on_two_ranks_samples_and_trains_what_one_process_does(tmp_path, checkpoint_dir):
+    # examples/agent.yaml (multi-turn rollout with the key-lookup tool, exact mode, segments of
+    # 16 tokens; it was refused on several ranks), two steps of one group, `longstraw train
+    # --no-prefect` on two ranks against one process.
+    from longstraw.schemas.run import merged, validated_run_config
+    from longstraw.training.stages import RolloutRecord
+
+    example = REPO / "examples" / "agent.yaml"
+
+    def config(root: Path):
+        raw = merged(
+            yaml.safe_load(example.read_text()),
+            {
+                "model": {"checkpoint": str(checkpoint_dir("qwen3_5"))},
+                "grpo": {"adam_epsilon": ADAM_EPSILON},
+                "storage": {"root_uri": str(root), "persist_mode": "synchronous"},
+                "train": {"num_steps": 2, "groups_per_step": 1, "checkpoint_every": 2},
+            },
+        )
+        return validated_run_config(raw, str(example))
+
+    single = config(tmp_path / "world1")
+    reference = train(single).history
+    ranks = config(tmp_path / "world2")
+    process = _train(
+        _yaml(tmp_path / "run.yaml", ranks, 2), tmp_path, _env(tmp_path), "--no-prefect"
+    )
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+    _assert_same_checkpoint(
+        latest_checkpoint(ranks.storage, ranks.run_id),
+        latest_checkpoint(single.storage, single.run_id),
+        checkpoint_dir("qwen3_5"),
+    )
+    history = read_metrics(tmp_path / "world2" / "runs" / ranks.run_id)
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
+    assert [m.turns_mean for m in history] == [m.turns_mean for m in reference]
+    assert all(m.turns_mean > 1 and m.environment_errors == 0 for m in history), history
+    records = {
+        world: [
+            RolloutRecord.model_validate_json(path.read_text())
+            for path in sorted((tmp_path / world).rglob("rollout-g*.json"))
+        ]
+        for world in ("world1", "world2")
+    }
+    assert len(records["world2"]) == 2
+    for two, one in zip(records["world2"], records["world1"], strict=True):
+        for field in ("response_ids", "loss_masks", "rewards", "finish_reasons", "num_turns"):
+            assert getattr(two, field) == getattr(one, field), field
+        assert any(0 in mask for mask in two.loss_masks), "no tool output was fed"
