@@ -156,17 +156,25 @@ def check_world_size(config: RunConfig) -> None:
 
 
 def check_sharded_branches(config: RunConfig) -> None:
-    """Segments and shared prefixes run on the ranks for every family but GLM-5's MLA layers."""
+    """Segments, shared prefixes and the state budget run on the ranks for every family but
+    GLM-5's MLA layers."""
     engine = config.engine
-    wanted = engine.branch_segment_tokens is not None or engine.share_response_prefixes
+    wanted = [
+        name
+        for name, on in (
+            ("engine.branch_segment_tokens", engine.branch_segment_tokens is not None),
+            ("engine.share_response_prefixes", engine.share_response_prefixes),
+            ("engine.state_budget_bytes", engine.state_budget_bytes is not None),
+        )
+        if on
+    ]
     if config.parallel.world_size == 1 or not wanted or config.model.checkpoint is None:
         return
     raw = json.loads((Path(config.model.checkpoint).expanduser() / "config.json").read_text())
     if raw.get("model_type") == "glm_moe_dsa":
         raise UserError(
-            "engine.branch_segment_tokens / engine.share_response_prefixes do not run over a "
-            "sequence-sharded GLM-5 (MLA) prompt state yet — unset them or set "
-            "parallel.world_size: 1"
+            f"{' / '.join(wanted)} do not run over a sequence-sharded GLM-5 (MLA) prompt state "
+            "yet — unset them or set parallel.world_size: 1"
         )
 
 

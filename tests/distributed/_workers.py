@@ -753,4 +753,86 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
             ),
             "logps": [g.tolist() for g in logps],
         }
+    out["budget"] = _budgeted_against_resident(model, local, prompt, responses, advantages, config)
+    return out
+
+
+# Replay options run on a tiered slice of the sharded state (name, prompt_grad, segments, tree).
+BUDGET_CASES = (
+    ("whole", "exact", None, False),
+    ("detached", "detached", None, False),
+    ("segments_in_tree", "exact", 3, True),
+)
+# Prefix positions per chunk while the budgeted cases run: every rank's slice (66 and 53
+# positions) and every sweep prefix is cut into several chunks.
+BUDGET_CHUNK_TOKENS = 16
+
+
+def _budgeted_against_resident(model, local, prompt, responses, advantages, config) -> dict:
+    """Each rank's slice tiered under a budget of 0 (every chunk streamed, host and disk)
+    against the same slice resident: gradients, log-probs and sampled tokens, bit for bit."""
+    import tempfile
+
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.engine import attention
+    from longstraw.engine.rollout import SamplingParams
+    from longstraw.engine.state_tiers import state_traffic, tiered_for_group
+
+    def same(a, b) -> bool:
+        return a.grads.keys() == b.grads.keys() and all(
+            torch.equal(a.grads[n], b.grads[n]) for n in a.grads
+        )
+
+    sampling = SamplingParams(num_samples=3, max_new_tokens=5, temperature=0.9)
+
+    def sample(state):
+        drawn = sharded_sample_responses(
+            model, state, sampling, generator=torch.Generator().manual_seed(SEED)
+        )
+        return [(r.token_ids, r.logprobs) for r in drawn]
+
+    out: dict = {}
+    previous = attention.PREFIX_CHUNK_TOKENS
+    attention.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
+    try:
+        # The prefill on the same grid: the exact sweep checks its recomputation bitwise.
+        local = sharded_prefill(model, prompt, shard_tokens=local.shard_tokens)
+        want_samples = sample(local)
+        for name, mode, segment_tokens, share in BUDGET_CASES:
+            options = dict(
+                prompt_grad=mode, branch_segment_tokens=segment_tokens,
+                share_response_prefixes=share,
+            )  # fmt: skip
+            want, want_logps = sharded_group_gradients(
+                model, local, responses, advantages, config, **options
+            )
+            for tier in ("host", "disk"):
+                with tempfile.TemporaryDirectory() as scratch:
+                    with tiered_for_group(
+                        model, local, 0, tier, scratch, exact=mode == "exact"
+                    ) as tiered:
+                        got, logps = sharded_group_gradients(
+                            model, tiered, responses, advantages, config, **options
+                        )
+                        samples = sample(tiered) if name == "whole" else want_samples
+                        traffic = state_traffic(tiered)
+                        unit = tiered.tiers.store.chunk_unit_bytes
+                    left = os.listdir(scratch)
+                out[f"{name}-{tier}"] = {
+                    "grads_equal": same(got, want),
+                    "logps_equal": all(
+                        torch.equal(a, b) for a, b in zip(logps, want_logps, strict=True)
+                    ),
+                    "samples_equal": samples == want_samples,
+                    "bytes_read": traffic.bytes_read,
+                    "bytes_written": traffic.bytes_written,
+                    "peak": traffic.peak_resident_bytes,
+                    "chunk_unit": unit,
+                    "state_bytes": local.state_bytes(),
+                    "scratch_left": left,
+                }
+    finally:
+        attention.PREFIX_CHUNK_TOKENS = previous
     return out

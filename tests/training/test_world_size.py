@@ -308,6 +308,36 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
 
 
+def test_state_budget_on_two_ranks_ends_with_the_single_process_checkpoint(
+    tmp_path, checkpoint_dir, single_process
+):
+    # engine.state_budget_bytes = 0 (it was refused on several ranks): each rank streams its
+    # slice of the state and of dS from a scratch file, in rollout, scoring and the backward.
+    _, reference_checkpoint, reference_history = single_process
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    base = _config(tmp_path / "root", checkpoint_dir("qwen3_5"), "ranks")
+    budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
+    config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
+    process = _train(
+        _yaml(tmp_path / "run.yaml", config, 2), tmp_path, _env(tmp_path), "--no-prefect"
+    )
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+    _assert_same_checkpoint(
+        latest_checkpoint(config.storage, config.run_id),
+        reference_checkpoint,
+        checkpoint_dir("qwen3_5"),
+    )
+    history = read_metrics(tmp_path / "root" / "runs" / "ranks")
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
+    for m in history:
+        assert m.state_bytes_read > 0 and m.state_bytes_written > 0, m
+        assert m.state_peak_resident_bytes is not None and m.state_peak_resident_bytes > 0, m
+    assert all(m.state_bytes_read == 0 for m in reference_history)
+    assert not list(scratch.iterdir()), "scratch files left behind"
+
+
 def test_agent_run_on_two_ranks_samples_and_trains_what_one_process_does(tmp_path, checkpoint_dir):
     # examples/agent.yaml (multi-turn rollout with the key-lookup tool, exact mode, segments of
     # 16 tokens; it was refused on several ranks), two steps of one group, `longstraw train
