@@ -54,12 +54,8 @@ from longstraw.distributed.cross_rank_attention import (
     answer_gradient_slices,
 )
 from longstraw.engine.cache import PrefixMlaLayer
-from longstraw.models.glm import (
-    PREFIX_CHUNK_TOKENS,
-    index_scores,
-    mla_inputs,
-    previous_selection,
-)
+from longstraw.models import glm
+from longstraw.models.glm import index_scores, mla_inputs, previous_selection
 from longstraw.models.patching import forwards_replaced
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
@@ -166,8 +162,8 @@ def local_topk_candidates(
         return out
     scores_BST = torch.cat(
         [
-            index_scores(indexer, q_BSHD, weights_BSH, index_TD[s : s + PREFIX_CHUNK_TOKENS])
-            for s in range(0, num, PREFIX_CHUNK_TOKENS)
+            index_scores(indexer, q_BSHD, weights_BSH, index_TD[s : s + glm.PREFIX_CHUNK_TOKENS])
+            for s in range(0, num, glm.PREFIX_CHUNK_TOKENS)
         ],
         dim=-1,
     )
@@ -260,14 +256,14 @@ def _local_partial(q_lat_BHSR, q_rot_BHSE, lat_TR, rope_TE, selected_BSK, scale,
         with torch.no_grad():
             out, lse = _PrefixLatentAttention.apply(
                 q_lat_BHSR, q_rot_BHSE, lat_TR, rope_TE, selected_BSK, scale,
-                PREFIX_CHUNK_TOKENS, (None, None),
+                glm.PREFIX_CHUNK_TOKENS, (None, None),
             )  # fmt: skip
         return out, lse, None
     with torch.enable_grad():
         q_lat = q_lat_BHSR.detach().requires_grad_(True)
         q_rot = q_rot_BHSE.detach().requires_grad_(True)
         out, lse = _PrefixLatentAttention.apply(
-            q_lat, q_rot, lat_TR, rope_TE, selected_BSK, scale, PREFIX_CHUNK_TOKENS, grads
+            q_lat, q_rot, lat_TR, rope_TE, selected_BSK, scale, glm.PREFIX_CHUNK_TOKENS, grads
         )
     return out, lse, (q_lat, q_rot)
 

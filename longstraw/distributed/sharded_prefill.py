@@ -85,11 +85,16 @@ def serve_shard(
         state.indexer_key[mla.indexer_slot(i), :end] if i in mla.indexer_layer_indices else None
         for i in mla.layer_indices
     ]
+
+    def rows(array) -> list | None:
+        # Slot by slot: a tiered array hands out one slot's rows at a time.
+        return None if array is None else [array[i, :end] for i in range(array.shape[0])]
+
     return serve_mla_owner(
-        model, owner, list(state.latent[:, :end]), list(state.rope_key[:, :end]), index,
+        model, owner, rows(state.latent), rows(state.rope_key), index,
         local_start=state.token_start, group=group,
-        grad_latent_TR=None if cotangent is None else list(cotangent.latent[:, :end]),
-        grad_rope_TE=None if cotangent is None else list(cotangent.rope_key[:, :end]),
+        grad_latent_TR=None if cotangent is None else rows(cotangent.latent),
+        grad_rope_TE=None if cotangent is None else rows(cotangent.rope_key),
         on_gradient_slices=on_gradient_slices,
     )  # fmt: skip
 

@@ -75,8 +75,7 @@ class EngineConfig(_Section):
     a chunk unit being 1024 positions of every streamed array of one layer (so 0 works). In
     `longstraw train` it applies to rollout, scoring and the backward stage; the step metrics
     report the peak and the bytes moved. On several ranks it is per rank: each streams its own
-    slice of the state (and of its cotangent); the metrics report the busiest rank's figures
-    (not yet for GLM-5's MLA layers: refused before the run starts)."""
+    slice of the state (and of its cotangent); the metrics report the busiest rank's figures."""
     state_tier: Literal["host", "disk"] = "host"
     """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
     state_dir: str | None = None

@@ -156,15 +156,13 @@ def check_world_size(config: RunConfig) -> None:
 
 
 def check_sharded_branches(config: RunConfig) -> None:
-    """Segments, shared prefixes and the state budget run on the ranks for every family but
-    GLM-5's MLA layers."""
+    """Segments and shared prefixes run on the ranks for every family but GLM-5's MLA layers."""
     engine = config.engine
     wanted = [
         name
         for name, on in (
             ("engine.branch_segment_tokens", engine.branch_segment_tokens is not None),
             ("engine.share_response_prefixes", engine.share_response_prefixes),
-            ("engine.state_budget_bytes", engine.state_budget_bytes is not None),
         )
         if on
     ]

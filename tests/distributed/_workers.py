@@ -181,6 +181,11 @@ def compare_with_single_process(
         )
         out[f"{mode}_logps"] = [g.tolist() for g in logps]
         out[f"{mode}_grad"] = _grad_errors(got, want)
+    if is_glm(model) and index_topk is not None and index_topk < prompt_len:
+        # The sparse regime: each rank's latents, rope and indexer keys streamed under a budget.
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config, cases=BUDGET_CASES[:2]
+        )
     return out
 
 
@@ -768,9 +773,12 @@ BUDGET_CASES = (
 BUDGET_CHUNK_TOKENS = 16
 
 
-def _budgeted_against_resident(model, local, prompt, responses, advantages, config) -> dict:
+def _budgeted_against_resident(
+    model, local, prompt, responses, advantages, config, cases=BUDGET_CASES
+) -> dict:
     """Each rank's slice tiered under a budget of 0 (every chunk streamed, host and disk)
-    against the same slice resident: gradients, log-probs and sampled tokens, bit for bit."""
+    against the same slice resident: gradients, log-probs and sampled tokens, bit for bit, for
+    each of `cases` (`BUDGET_CASES` rows)."""
     import tempfile
 
     from longstraw.distributed.sharded_group import sharded_group_gradients
@@ -779,6 +787,7 @@ def _budgeted_against_resident(model, local, prompt, responses, advantages, conf
     from longstraw.engine import attention
     from longstraw.engine.rollout import SamplingParams
     from longstraw.engine.state_tiers import state_traffic, tiered_for_group
+    from longstraw.models import glm
 
     def same(a, b) -> bool:
         return a.grads.keys() == b.grads.keys() and all(
@@ -794,13 +803,13 @@ def _budgeted_against_resident(model, local, prompt, responses, advantages, conf
         return [(r.token_ids, r.logprobs) for r in drawn]
 
     out: dict = {}
-    previous = attention.PREFIX_CHUNK_TOKENS
-    attention.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
+    previous = attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS
+    attention.PREFIX_CHUNK_TOKENS = glm.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
     try:
         # The prefill on the same grid: the exact sweep checks its recomputation bitwise.
         local = sharded_prefill(model, prompt, shard_tokens=local.shard_tokens)
         want_samples = sample(local)
-        for name, mode, segment_tokens, share in BUDGET_CASES:
+        for name, mode, segment_tokens, share in cases:
             options = dict(
                 prompt_grad=mode, branch_segment_tokens=segment_tokens,
                 share_response_prefixes=share,
@@ -834,5 +843,5 @@ def _budgeted_against_resident(model, local, prompt, responses, advantages, conf
                     "scratch_left": left,
                 }
     finally:
-        attention.PREFIX_CHUNK_TOKENS = previous
+        attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS = previous
     return out
