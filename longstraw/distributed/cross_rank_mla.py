@@ -53,7 +53,7 @@ from longstraw.distributed.cross_rank_attention import (
     _header,
     answer_gradient_slices,
 )
-from longstraw.engine.cache import PrefixMlaLayer
+from longstraw.engine.cache import PrefixMlaLayer, SegmentMlaLayer
 from longstraw.models import glm
 from longstraw.models.glm import index_scores, mla_inputs, previous_selection
 from longstraw.models.patching import forwards_replaced
@@ -137,6 +137,14 @@ class CrossRankMlaLayer(PrefixMlaLayer):
         return _CrossRankLatentPrefix.apply(
             q_lat_BHSR, q_rot_BHSE, self, layer_idx, selected_BSK, scale, needs_grad
         )
+
+
+class CrossRankSegmentMlaLayer(SegmentMlaLayer, CrossRankMlaLayer):
+    """A long branch's segment over a sharded prompt (replicated): the prompt's latents are read
+    across ranks as by `CrossRankMlaLayer`, and the branch's earlier segments — the same on
+    every rank — are prepended to this forward's latents, rope and indexer keys (`earlier`, as
+    `SegmentMlaLayer` does single-process), so every rank reads them as causal branch keys
+    itself and their cotangent goes to its own copy of the branch's."""
 
 
 def _all_gather(t: Tensor, group) -> list[Tensor]:
@@ -405,7 +413,12 @@ def sharded_mla_forward(
     latent_BXR, rope_BXE, index_BXD = layer.update(
         inputs.latent_BSR, inputs.rope_BSE, inputs.index_key_BSD
     )
-    if latent_BXR.shape[1] != length and (layer.owner is not None or torch.is_grad_enabled()):
+    segment = isinstance(layer, SegmentMlaLayer)  # earlier segments: X > S with autograd
+    if (
+        latent_BXR.shape[1] != length
+        and not segment
+        and (layer.owner is not None or torch.is_grad_enabled())
+    ):
         # Decoding (a kept overlay longer than this forward): the selection and the latent
         # attention below are already bottom-right aligned, as single-process; no backward.
         raise RuntimeError(

@@ -60,8 +60,7 @@ class EngineConfig(_Section):
     autograd graph at a time, on top of the prompt state and the response's own earlier
     segments (gradients unchanged; about one extra forward of the response). None: every
     response is one graph. On several ranks every rank replays the segments together, each
-    reading its part of the prompt (not yet for GLM-5's MLA layers: refused when the backward
-    starts)."""
+    reading its part of the prompt."""
     share_response_prefixes: bool = False
     """Responses of a group that start with the same tokens (common first turns of agent
     trajectories) run that shared part once, as a prefix tree (gradients unchanged), on one

@@ -182,6 +182,7 @@ def compare_with_single_process(
         out[f"{mode}_logps"] = [g.tolist() for g in logps]
         out[f"{mode}_grad"] = _grad_errors(got, want)
     if is_glm(model) and index_topk is not None and index_topk < prompt_len:
+        out["branches"] = _branch_cases_against_single_process(model, prompt_len, shard_tokens)
         # The sparse regime: each rank's latents, rope and indexer keys streamed under a budget.
         out["budget"] = _budgeted_against_resident(
             model, local, prompt, responses, advantages, config, cases=BUDGET_CASES[:2]
@@ -720,15 +721,22 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
                                     shard_tokens: int):  # fmt: skip
     """Segmented and prefix-tree replay over this rank's slice vs the single-process engine
     with the same engine options (run here too): gradient errors and log-probs per case."""
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    return _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=True)
+
+
+def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=False) -> dict:
+    """`BRANCH_CASES` on this rank's slice vs one process (and, with `budget`, the budgeted
+    cases against the resident slice)."""
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
-    from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    model.eval()
     vocab = model.config.get_text_config().vocab_size
     prompt, responses, advantages = _shared_prefix_group(vocab, prompt_len)
     config = GRPOConfig(beta=0.0)
@@ -758,7 +766,10 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
             ),
             "logps": [g.tolist() for g in logps],
         }
-    out["budget"] = _budgeted_against_resident(model, local, prompt, responses, advantages, config)
+    if budget:
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config
+        )
     return out
 
 
