@@ -222,6 +222,7 @@ def sharded_prefill(
     on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
     resume: ShardedPrefixState | None = None,
     start_shard: int = 0,
+    end_shard: int | None = None,
 ) -> ShardedPrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`; call on every rank together.
 
@@ -230,13 +231,22 @@ def sharded_prefill(
     (K/V and the end-of-shard linear checkpoints; shard 0's start state is zero) and the same
     `start_shard` on every rank: earlier shards are not recomputed, only the linear-state
     handoffs at their ownership boundaries are replayed (one constant-size broadcast each).
+    `end_shard` (None: all) stops before that shard, so that a caller can compute the prompt a
+    few shards at a time (`ShardedPrefillSession`); the final linear state reaches every rank
+    once the last shard is done.
     """
     ids = _prompt_tensor(model, prompt_ids)
     state = prefill_target(
         model, ids, shard_tokens=shard_tokens, group=group, resume=resume, start_shard=start_shard
     )
+    stop = state.num_shards if end_shard is None else end_shard
+    if not start_shard <= stop <= state.num_shards:
+        raise ValueError(
+            f"end_shard {end_shard} must lie in [start_shard, num_shards] = "
+            f"[{start_shard}, {state.num_shards}]"
+        )
     with torch.no_grad(), cross_rank_attention_enabled(model):
-        for shard in range(state.num_shards):
+        for shard in range(stop):
             # Also at restored boundaries: the start state of a rank's first shard is the previous
             # owner's end state, which that rank did not restore itself.
             _handoff_linear_state(state, shard, group)
@@ -252,5 +262,6 @@ def sharded_prefill(
                     on_shard(state, shard)
             else:
                 serve_shard(model, state, shard, group=group)
-        broadcast_final_linear_state(state, group)
+        if stop == state.num_shards:
+            broadcast_final_linear_state(state, group)
     return state

@@ -28,7 +28,7 @@ from longstraw.training.prompts import PromptExample
 _lock = threading.RLock()
 _policies: dict[str, RunContext] = {}
 _sessions: dict[tuple, PrefillSession] = {}
-_sharded_states: dict[tuple, tuple[object, object]] = {}
+_sharded_sessions: dict[tuple, object] = {}
 
 
 def policy(config: RunConfig, ref: PolicyRef) -> RunContext:
@@ -54,8 +54,8 @@ def forget_run(run_id: str) -> None:
         _policies.pop(run_id, None)
         for key in [k for k in _sessions if k[0] == run_id]:
             _sessions.pop(key).close()
-        for key in [k for k in _sharded_states if k[0] == run_id]:
-            _sharded_states.pop(key)
+        for key in [k for k in _sharded_sessions if k[0] == run_id]:
+            _sharded_sessions.pop(key).close()
 
 
 def drop_states_before(run_id: str, policy_version: int) -> None:
@@ -63,8 +63,8 @@ def drop_states_before(run_id: str, policy_version: int) -> None:
     with _lock:
         for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
             _sessions.pop(key).close()
-        for key in [k for k in _sharded_states if k[0] == run_id and k[1] < policy_version]:
-            _sharded_states.pop(key)
+        for key in [k for k in _sharded_sessions if k[0] == run_id and k[1] < policy_version]:
+            _sharded_sessions.pop(key).close()
 
 
 def state_key(ctx: RunContext, example: PromptExample) -> StateKey:
@@ -107,16 +107,16 @@ def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
         return found
 
 
-def sharded_state(ctx: RunContext, example: PromptExample):
-    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
-    computed, resumed or read back by every rank together."""
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+def sharded_session(ctx: RunContext, example: PromptExample):
+    """This rank's `ShardedPrefillSession` of `example` at the run's current version (every
+    rank of the stage group holds its own and calls it together)."""
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
 
     key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
     with _lock:
-        found = _sharded_states.get(key)
+        found = _sharded_sessions.get(key)
         if found is None:
-            found = persisted_sharded_prefill(
+            found = ShardedPrefillSession(
                 ctx.model,
                 example.prompt_ids,
                 shard_tokens=ctx.config.engine.shard_tokens,
@@ -124,8 +124,14 @@ def sharded_state(ctx: RunContext, example: PromptExample):
                 key=state_key(ctx, example),
                 schedule=ctx.config.parallel.schedule,
             )
-            _sharded_states[key] = found
+            _sharded_sessions[key] = found
         return found
+
+
+def sharded_state(ctx: RunContext, example: PromptExample):
+    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
+    computed, resumed or read back by every rank together."""
+    return sharded_session(ctx, example).finish()
 
 
 def prefix_exchange() -> PrefixExchange:

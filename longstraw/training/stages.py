@@ -96,30 +96,38 @@ def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
     return prompts
 
 
+@on_all_ranks
 def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard: int) -> ShardRef:
     """Make shards 0..`shard` of the prompt's state present (computed, or read back from the
-    shard manifests an earlier attempt recorded) and persisted. Single-process runs only: ranks
-    prefill a prompt together in `prefill_prompt`."""
-    if config.parallel.world_size > 1:
-        raise ValueError(
-            "prefill_shard is the single-process stage; with parallel.world_size > 1 the ranks "
-            "prefill the prompt together in prefill_prompt"
-        )
+    shard manifests an earlier attempt recorded) and persisted: on one process, or by the ranks
+    together (each computes and records the shards it owns)."""
     if not 0 <= shard < prompt.num_shards:
         raise ValueError(
             f"shard {shard} is out of range: prompt {prompt.prompt_id} has {prompt.num_shards} "
             "shards (plan_step gives the count)"
         )
     ctx = held.policy(config, policy)
-    session = held.session(ctx, held.check_prompt(ctx, prompt))
-    before = session.shards_computed
-    session.ensure_shard(shard)
+    example = held.check_prompt(ctx, prompt)
+    if active_group() is None:
+        session = held.session(ctx, example)
+        before = session.shards_computed
+        session.ensure_shard(shard)
+        computed = session.shards_computed > before
+    else:
+        ctx.gather_weights()
+        session = held.sharded_session(ctx, example)
+        before = len(session.computed)
+        session.ensure_shard(shard)
+        # Whether any rank computed a shard in this call (its owner did, or nobody).
+        flag = torch.tensor([int(len(session.computed) > before)])
+        dist.all_reduce(flag)
+        computed = bool(flag.item())
     return ShardRef(
         prompt_digest=prompt.prompt_digest,
         shard=shard,
         policy_version=prompt.policy_version,
         weights_digest=prompt.weights_digest,
-        computed=session.shards_computed > before,
+        computed=computed,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -171,6 +172,12 @@ def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
         assert two.shards_computed == one.shards_computed == 2 * 3
         # Replay and the exact sweep are timed apart on the ranks too.
         assert two.seconds["replay"] > 0 and two.seconds["sweep"] > 0, two.seconds
+    # One cacheable prefill task per shard on the ranks too (steps x groups x 3 shards).
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        names = [name for (name,) in db.execute("SELECT name FROM task_run")]
+    shard_tasks = [n for n in names if n.startswith("prefill s")]
+    assert len(shard_tasks) == NUM_STEPS * 2 * 3, sorted(names)
+    assert sorted({n.split()[1] for n in shard_tasks}) == ["s0/3", "s1/3", "s2/3"]
 
 
 def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed_shards(
