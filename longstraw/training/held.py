@@ -22,7 +22,7 @@ from longstraw.schemas.refs import PolicyRef, PromptRef
 from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import StateKey
 from longstraw.training.context import RunContext, load_policy
-from longstraw.training.persisted_prefill import PrefillSession
+from longstraw.training.persisted_prefill import PrefillSession, StateBudget
 from longstraw.training.prompts import PromptExample
 
 _lock = threading.RLock()
@@ -53,7 +53,7 @@ def forget_run(run_id: str) -> None:
     with _lock:
         _policies.pop(run_id, None)
         for key in [k for k in _sessions if k[0] == run_id]:
-            _sessions.pop(key).close()
+            _sessions.pop(key).discard()
         for key in [k for k in _sharded_sessions if k[0] == run_id]:
             _sharded_sessions.pop(key).close()
 
@@ -62,7 +62,7 @@ def drop_states_before(run_id: str, policy_version: int) -> None:
     """Free prompt states of older policy versions (invalid for the new weights)."""
     with _lock:
         for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
-            _sessions.pop(key).close()
+            _sessions.pop(key).discard()
         for key in [k for k in _sharded_sessions if k[0] == run_id and k[1] < policy_version]:
             _sharded_sessions.pop(key).close()
 
@@ -102,6 +102,7 @@ def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
                 shard_tokens=ctx.config.engine.shard_tokens,
                 storage=ctx.config.storage,
                 key=state_key(ctx, example),
+                budget=StateBudget.of(ctx.config.engine),
             )
             _sessions[key] = found
         return found
