@@ -38,6 +38,8 @@ from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharde
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 from longstraw.engine.layer_kinds import named_arrays
+from longstraw.engine.state import token_rows
+from longstraw.engine.state_tiers import tiered_like
 from longstraw.schemas.storage import (
     ArraySpec,
     PrefixStateRef,
@@ -109,7 +111,7 @@ def _shard_payload(state: ShardedPrefixState, shard: int):
             ends[name] = tensor[:, local + 1]
             initial[name] = tensor[:, 0]
         else:
-            tokens[name] = tensor[:, start - state.token_start : end - state.token_start]
+            tokens[name] = token_rows(tensor, start - state.token_start, end - state.token_start)
     return tokens, ends, (initial if shard == 0 else None)
 
 
@@ -117,9 +119,11 @@ def _restore_shard(state: ShardedPrefixState, shard: int, data: ShardData) -> No
     start, end = state.bounds[shard]
     local = shard - state.shards[0]
     tensors = sharded_state_tensors(state)
+    rows = slice(start - state.token_start, end - state.token_start)
     for name, piece in data.token_slices.items():
-        target = tensors[name][:, start - state.token_start : end - state.token_start]
-        target.copy_(piece)
+        target = tensors[name]
+        for slot in range(target.shape[0]):
+            target[slot, rows] = piece[slot]
     for name, piece in data.checkpoints.items():
         tensors[name][:, local + 1] = piece
     for name, piece in (data.initial_checkpoints or {}).items():
@@ -176,15 +180,32 @@ class ShardedPrefillSession:
         on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
         manifest_timeout_s: float = 300.0,
         schedule: Literal["sequential", "wavefront"] = "sequential",
+        budget=None,
     ):
+        """`budget` (a `training.persisted_prefill.StateBudget`; None: resident): this rank's
+        slice is tiered from the start, its shards' rows written straight to the lower tier."""
         if schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
         self.model, self.group, self.schedule = model, group, schedule
         self.shard_tokens, self.on_shard = shard_tokens, on_shard
         self.manifest_timeout_s = manifest_timeout_s
-        self.state = allocate_sharded_state(
-            model, prompt_ids, shard_tokens=shard_tokens, group=group
-        )
+        self.tiered = None
+        if budget is None:
+            self.state = allocate_sharded_state(
+                model, prompt_ids, shard_tokens=shard_tokens, group=group
+            )
+        else:
+            self.tiered = tiered_like(
+                model,
+                allocate_sharded_state(
+                    model, prompt_ids, shard_tokens=shard_tokens, group=group, device="meta"
+                ),
+                budget_bytes=budget.budget_bytes,
+                lower=budget.lower,
+                directory=budget.directory,
+                exact=budget.exact,
+            )
+            self.state = self.tiered.state
         self.storage = storage
         self.writer = None
         self.resume_at = 0
@@ -288,9 +309,17 @@ class ShardedPrefillSession:
         return self.state, self.outcome
 
     def close(self) -> None:
+        """Close the storage writer (the state stays usable)."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def discard(self) -> None:
+        """Close the writer and drop the state (a tiered one's hooks and scratch files too)."""
+        self.close()
+        if self.tiered is not None:
+            self.tiered.close()
+            self.tiered = None
 
 
 def persisted_sharded_prefill(

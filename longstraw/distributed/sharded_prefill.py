@@ -177,8 +177,10 @@ def allocate_sharded_state(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> ShardedPrefixState:
-    """This rank's empty slice of the prompt state (what `sharded_prefill` fills)."""
+    """This rank's empty slice of the prompt state (what `sharded_prefill` fills), on `device`
+    (None: the model's; "meta": shapes only, for a tiered slice)."""
     return ShardedPrefixState.allocate(
         state_spec(model),
         prompt_ids=_prompt_tensor(model, prompt_ids),
@@ -186,7 +188,7 @@ def allocate_sharded_state(
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
         dtype=next(model.parameters()).dtype,
-        device=model.device,
+        device=model.device if device is None else device,
     )
 
 

@@ -55,7 +55,7 @@ def forget_run(run_id: str) -> None:
         for key in [k for k in _sessions if k[0] == run_id]:
             _sessions.pop(key).discard()
         for key in [k for k in _sharded_sessions if k[0] == run_id]:
-            _sharded_sessions.pop(key).close()
+            _sharded_sessions.pop(key).discard()
 
 
 def drop_states_before(run_id: str, policy_version: int) -> None:
@@ -64,7 +64,7 @@ def drop_states_before(run_id: str, policy_version: int) -> None:
         for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
             _sessions.pop(key).discard()
         for key in [k for k in _sharded_sessions if k[0] == run_id and k[1] < policy_version]:
-            _sharded_sessions.pop(key).close()
+            _sharded_sessions.pop(key).discard()
 
 
 def state_key(ctx: RunContext, example: PromptExample) -> StateKey:
@@ -124,6 +124,7 @@ def sharded_session(ctx: RunContext, example: PromptExample):
                 storage=ctx.config.storage,
                 key=state_key(ctx, example),
                 schedule=ctx.config.parallel.schedule,
+                budget=StateBudget.of(ctx.config.engine),
             )
             _sharded_sessions[key] = found
         return found

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.prefill import prefill
-from longstraw.engine.state import PrefixState
+from longstraw.engine.state import PrefixState, token_rows
 from longstraw.engine.state_tiers import allocate_tiered_state
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.storage import (
@@ -254,13 +254,6 @@ def persisted_prefill(
         session.close()
 
 
-def _token_rows(array, start: int, end: int) -> torch.Tensor:
-    """[L, end - start, *X] of a per-token array, resident or tiered (read slot by slot)."""
-    if hasattr(array, "read"):
-        return torch.stack([array.read(slot, start, end) for slot in range(array.shape[0])])
-    return array[:, start:end]
-
-
 def _shard_payload(state: PrefixState, shard: int):
     start, end = state.bounds[shard]
     tokens, ends, initial = {}, {}, {}
@@ -269,7 +262,7 @@ def _shard_payload(state: PrefixState, shard: int):
             ends[name] = tensor[:, shard + 1]
             initial[name] = tensor[:, 0]
         else:
-            tokens[name] = _token_rows(tensor, start, end)
+            tokens[name] = token_rows(tensor, start, end)
     return tokens, ends, (initial if shard == 0 else None)
 
 

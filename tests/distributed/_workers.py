@@ -305,6 +305,62 @@ def resume_persisted_prefill(
     return out
 
 
+def budgeted_sharded_sessions(
+    rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
+):
+    """Per-shard `ShardedPrefillSession` calls with each rank's slice tiered from the start
+    (budget 0, disk, a 16-position grid), both schedules, against `sharded_prefill`."""
+    import tempfile
+
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine import attention
+    from longstraw.engine.layer_kinds import named_arrays
+    from longstraw.engine.state import token_rows
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.storage import StateKey, StorageConfig
+    from longstraw.training.persisted_prefill import StateBudget
+
+    attention.PREFIX_CHUNK_TOKENS = 16
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, _, _ = _group(model.config.get_text_config().vocab_size, prompt_len)
+    want = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out = {}
+    for schedule in ("sequential", "wavefront"):
+        storage = StorageConfig(root_uri=f"{root}/{schedule}", persist_mode="synchronous")
+        key = StateKey.policy("budget", 0, "w" * 64, "d" * 64)
+        with tempfile.TemporaryDirectory() as scratch:
+            session = ShardedPrefillSession(
+                model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+                schedule=schedule, budget=StateBudget(0, "disk", scratch),
+            )  # fmt: skip
+            for shard in range(session.num_shards):
+                session.ensure_shard(shard)
+            state, outcome = session.finish()
+            got = named_arrays(state)
+            equal = {
+                name: torch.equal(
+                    token_rows(got[name], 0, got[name].shape[1])
+                    if hasattr(got[name], "read") else got[name], tensor,
+                )
+                for name, tensor in named_arrays(want).items()
+            }  # fmt: skip
+            equal["final_recurrent"] = torch.equal(state.final_recurrent, want.final_recurrent)
+            store = state.tiers.store
+            out[schedule] = {
+                "equal": equal,
+                "tiered": sorted(n for n, t in got.items() if hasattr(t, "read")),
+                "computed": outcome.shards_computed,
+                "committed": outcome.ref is not None,
+                "peak": store.peak_resident_bytes,
+                "chunk_unit": store.chunk_unit_bytes,
+            }
+            session.discard()
+            out[schedule]["scratch_left"] = os.listdir(scratch)
+    return out
+
+
 def replica_groups(vocab: int, data: int, prompt_len: int):
     """[data] (prompt, responses, advantages): data replica d trains on its own prompt, with the
     same lengths and other tokens."""
