@@ -8,6 +8,7 @@ prompt gradient, G = 3, two groups per step.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -237,10 +238,15 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
     tmp_path, checkpoint_dir, single_process
 ):
     """Ranks from torchrun's c10d rendezvous (two "nodes" of one process each, on this machine)
-    run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's."""
+    run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's.
+    Each "node" streams its slice under a state budget of 0 from its own scratch directory."""
     _, reference_checkpoint, reference_history = single_process
     root = tmp_path / "root"
-    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    base = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
+    config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
     port = free_port()
     env = _env(tmp_path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
@@ -281,6 +287,7 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
         assert node.returncode == 0, out[-4000:]
     (metrics,) = read_metrics(root / "runs" / "ranks")
     assert _algorithm(metrics) == _algorithm(reference_history[0])
+    assert metrics.state_bytes_read > 0 and not list(scratch.iterdir())
     checkpoint = latest_checkpoint(config.storage, config.run_id)
     assert checkpoint.name == "v000001"
     _assert_same_checkpoint(
@@ -292,11 +299,18 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     tmp_path, checkpoint_dir
 ):
     # Segments of 4 tokens and the prefix tree (both were refused on several ranks): `longstraw
-    # train --no-prefect` on two ranks against the same run in one process.
+    # train --no-prefect` on two ranks against the same run in one process. Completions of up
+    # to 9 tokens: a full-length one replays in three segments.
     def config(root: Path):
         base = _config(root, checkpoint_dir("qwen3_5"), "branches")
         engine = {"branch_segment_tokens": 4, "share_response_prefixes": True}
-        return base.model_copy(update={"engine": base.engine.model_copy(update=engine)})
+        grpo = {"max_completion_length": 9}
+        return base.model_copy(
+            update={
+                "engine": base.engine.model_copy(update=engine),
+                "grpo": base.grpo.model_copy(update=grpo),
+            }
+        )
 
     single = config(tmp_path / "world1")
     reference = train(single).history
@@ -313,6 +327,13 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     )
     history = read_metrics(tmp_path / "world2" / "runs" / "branches")
     assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
+    # Responses longer than one segment were sampled (the segmented path really ran).
+    lengths = [
+        len(ids)
+        for path in (tmp_path / "world2").rglob("rollout-g*.json")
+        for ids in json.loads(path.read_text())["response_ids"]
+    ]
+    assert max(lengths) > 4, lengths
 
 
 def test_state_budget_on_two_ranks_ends_with_the_single_process_checkpoint(
