@@ -39,7 +39,7 @@ from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 from longstraw.engine.layer_kinds import named_arrays
 from longstraw.engine.state import token_rows
-from longstraw.engine.state_tiers import tiered_like
+from longstraw.engine.state_tiers import StateBudget, tiered_like
 from longstraw.schemas.storage import (
     ArraySpec,
     PrefixStateRef,
@@ -180,9 +180,9 @@ class ShardedPrefillSession:
         on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
         manifest_timeout_s: float = 300.0,
         schedule: Literal["sequential", "wavefront"] = "sequential",
-        budget=None,
+        budget: StateBudget | None = None,
     ):
-        """`budget` (a `training.persisted_prefill.StateBudget`; None: resident): this rank's
+        """`budget` (None: resident): this rank's
         slice is tiered from the start, its shards' rows written straight to the lower tier."""
         if schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
@@ -195,16 +195,10 @@ class ShardedPrefillSession:
                 model, prompt_ids, shard_tokens=shard_tokens, group=group
             )
         else:
-            self.tiered = tiered_like(
-                model,
-                allocate_sharded_state(
-                    model, prompt_ids, shard_tokens=shard_tokens, group=group, device="meta"
-                ),
-                budget_bytes=budget.budget_bytes,
-                lower=budget.lower,
-                directory=budget.directory,
-                exact=budget.exact,
+            shapes = allocate_sharded_state(
+                model, prompt_ids, shard_tokens=shard_tokens, group=group, device="meta"
             )
+            self.tiered = tiered_like(model, shapes, budget)
             self.state = self.tiered.state
         self.storage = storage
         self.writer = None

@@ -51,6 +51,29 @@ from longstraw.schemas.results import StateTraffic
 STREAMED_FIELDS = {a.field: a.has_cotangent for a in TOKEN_ARRAYS}
 
 
+@dataclass(frozen=True)
+class StateBudget:
+    """Where a budgeted prompt state lives (the run config's `engine.state_budget_bytes`,
+    `state_tier`, `state_dir`; `exact`: keep the fp32 cotangent in the lower tier too)."""
+
+    budget_bytes: int
+    lower: str = "host"
+    directory: str | None = None
+    exact: bool = True
+
+    @classmethod
+    def of(cls, engine) -> StateBudget | None:
+        """The budget of an `EngineConfig` (None: the state stays resident)."""
+        if engine.state_budget_bytes is None:
+            return None
+        return cls(
+            engine.state_budget_bytes,
+            engine.state_tier,
+            engine.state_dir,
+            exact=engine.prompt_grad == "exact",
+        )
+
+
 class HostTier:
     """The lower tier in host memory: one [L, T, *X] tensor (pinned when CUDA is present)."""
 
@@ -594,19 +617,12 @@ def tier_state(
 
 
 def allocate_tiered_state(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    *,
-    shard_tokens: int,
-    budget_bytes: int,
-    lower: str = "host",
-    directory: str | None = None,
-    exact: bool = True,
+    model: PreTrainedModel, prompt_ids: torch.Tensor, shard_tokens: int, budget: StateBudget
 ) -> TieredState:
-    """An empty prompt state whose per-token arrays live in the `lower` tier from the start, so
-    that a prefill writes each shard's rows straight there (`TieredArray.__setitem__`) and the
-    whole state is never resident; the linear-attention checkpoints are allocated on the
-    device as usual. Arguments as in `tier_state`."""
+    """An empty prompt state whose per-token arrays live in `budget`'s lower tier from the
+    start, so that a prefill writes each shard's rows straight there (`TieredArray.__setitem__`)
+    and the whole state is never resident; the linear-attention checkpoints are allocated on
+    the device as usual."""
     shapes = PrefixState.allocate(
         state_spec(model),
         prompt_ids=prompt_ids,
@@ -614,20 +630,10 @@ def allocate_tiered_state(
         dtype=next(model.parameters()).dtype,
         device="meta",
     )
-    return tiered_like(
-        model, shapes, budget_bytes=budget_bytes, lower=lower, directory=directory, exact=exact
-    )
+    return tiered_like(model, shapes, budget)
 
 
-def tiered_like(
-    model: PreTrainedModel,
-    shapes,
-    *,
-    budget_bytes: int,
-    lower: str = "host",
-    directory: str | None = None,
-    exact: bool = True,
-) -> TieredState:
+def tiered_like(model: PreTrainedModel, shapes, budget: StateBudget) -> TieredState:
     """A tiered, zero state shaped like `shapes` (a whole state or a rank's slice allocated on
     the meta device): its per-token arrays new lower tiers, every other array zeros on the
     model's device."""
@@ -639,11 +645,8 @@ def tiered_like(
             continue
         shape = tuple(meta.shape)
         if item.name in STREAMED_FIELDS:
-            sources[item.name] = (
-                _lower_tier(lower, shape, meta.dtype, directory),
-                shape,
-                meta.dtype,
-            )
+            tier = _lower_tier(budget.lower, shape, meta.dtype, budget.directory)
+            sources[item.name] = (tier, shape, meta.dtype)
         else:
             resident[item.name] = torch.zeros(shape, dtype=meta.dtype, device=device)
     base = replace(shapes, **dict.fromkeys(sources), **resident)
@@ -651,10 +654,10 @@ def tiered_like(
         model,
         base,
         sources,
-        budget_bytes=budget_bytes,
-        lower=lower,
-        directory=directory,
-        exact=exact,
+        budget_bytes=budget.budget_bytes,
+        lower=budget.lower,
+        directory=budget.directory,
+        exact=budget.exact,
     )
 
 

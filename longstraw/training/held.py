@@ -18,11 +18,12 @@ import torch
 
 from longstraw.distributed.stage_group import active_group
 from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.state_tiers import StateBudget
 from longstraw.schemas.refs import PolicyRef, PromptRef
 from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import StateKey
 from longstraw.training.context import RunContext, load_policy
-from longstraw.training.persisted_prefill import PrefillSession, StateBudget
+from longstraw.training.persisted_prefill import PrefillSession
 from longstraw.training.prompts import PromptExample
 
 _lock = threading.RLock()

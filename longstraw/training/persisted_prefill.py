@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from longstraw.engine.prefill import prefill
 from longstraw.engine.state import PrefixState, token_rows
-from longstraw.engine.state_tiers import allocate_tiered_state
+from longstraw.engine.state_tiers import StateBudget, allocate_tiered_state
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.storage import (
     ArraySpec,
@@ -55,29 +55,6 @@ def state_layout(state: PrefixState) -> StateLayout:
             )
         )
     return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
-
-
-@dataclass(frozen=True)
-class StateBudget:
-    """Where a budgeted prompt state lives (the run config's `engine.state_budget_bytes`,
-    `state_tier`, `state_dir`; `exact`: keep the fp32 cotangent in the lower tier too)."""
-
-    budget_bytes: int
-    lower: str = "host"
-    directory: str | None = None
-    exact: bool = True
-
-    @classmethod
-    def of(cls, engine) -> StateBudget | None:
-        """The budget of an `EngineConfig` (None: the state stays resident)."""
-        if engine.state_budget_bytes is None:
-            return None
-        return cls(
-            engine.state_budget_bytes,
-            engine.state_tier,
-            engine.state_dir,
-            exact=engine.prompt_grad == "exact",
-        )
 
 
 class PrefillSession:
@@ -133,10 +110,7 @@ class PrefillSession:
                 device=model.device,
             )
         else:
-            self.tiered = allocate_tiered_state(
-                model, self.ids, shard_tokens=shard_tokens, budget_bytes=budget.budget_bytes,
-                lower=budget.lower, directory=budget.directory, exact=budget.exact,
-            )  # fmt: skip
+            self.tiered = allocate_tiered_state(model, self.ids, shard_tokens, budget)
             self.state = self.tiered.state
         self.filled = 0
         """Shards 0..filled-1 are in `state`."""

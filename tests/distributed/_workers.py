@@ -317,9 +317,9 @@ def budgeted_sharded_sessions(
     from longstraw.engine import attention
     from longstraw.engine.layer_kinds import named_arrays
     from longstraw.engine.state import token_rows
+    from longstraw.engine.state_tiers import StateBudget
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.storage import StateKey, StorageConfig
-    from longstraw.training.persisted_prefill import StateBudget
 
     attention.PREFIX_CHUNK_TOKENS = 16
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)

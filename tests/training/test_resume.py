@@ -157,7 +157,7 @@ def test_a_budgeted_prefill_never_holds_the_state_and_resumes_from_storage(
     and branch log-probs replay the same bits."""
     from longstraw.engine import attention
     from longstraw.engine.replay import branch_logprobs
-    from longstraw.training.persisted_prefill import StateBudget
+    from longstraw.engine.state_tiers import StateBudget
 
     monkeypatch.setattr(attention, "PREFIX_CHUNK_TOKENS", 8)  # 62 positions: 8 chunks
     path = checkpoint_dir("qwen3_5")

@@ -36,9 +36,9 @@ def tier_calls(monkeypatch):
         calls.append(("copy", kwargs["exact"], tiered.store))
         return tiered
 
-    def tiered_from_prefill(model, prompt_ids, **kwargs):
-        tiered = allocate(model, prompt_ids, **kwargs)
-        calls.append(("prefill", kwargs["exact"], tiered.store))
+    def tiered_from_prefill(model, prompt_ids, shard_tokens, budget):
+        tiered = allocate(model, prompt_ids, shard_tokens, budget)
+        calls.append(("prefill", budget.exact, tiered.store))
         return tiered
 
     def counting(store):
