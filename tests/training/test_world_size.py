@@ -1,6 +1,7 @@
 """`parallel.world_size: 2` end to end: `longstraw train` on two CPU ranks (gloo) trains what one
-process trains, and a rank killed mid-step leaves a run that `--resume` finishes without
-recomputing committed prefill shards.
+process trains (`--no-prefect`, the Prefect flow, torchrun's ranks; segments and shared prefixes,
+a state budget, an agent's multi-turn rollout), and a rank killed mid-step leaves a run that
+`--resume` finishes without recomputing committed prefill shards.
 
 Legend: the tiny qwen3_5 hybrid, a 64-token prompt (63 state tokens in 3 shards of 23), exact
 prompt gradient, G = 3, two groups per step.
@@ -31,7 +32,7 @@ from tests.training.helpers import run_config
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-NUM_STEPS = 3
+NUM_STEPS = 2
 # Two ranks sum the same fp32 terms in another order (cross-rank log-sum-exp merges, an
 # all-reduce of the sweep's partial gradients): one group's gradients agree to ≤ 1.6e-5 relative
 # per tensor (the Gated DeltaNet decay parameters; ≤ 3e-6 for every other tensor).
@@ -147,44 +148,14 @@ def _algorithm(m) -> dict:
     }
 
 
-def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
+def test_rank_killed_mid_step_then_resume_on_the_flow_ends_with_the_single_process_checkpoint(
     tmp_path, checkpoint_dir, single_process, fresh_prefect_home
 ):
+    """Two ranks (`--no-prefect`) until rank 1 is SIGKILLed inside step 1, after its prompt
+    states were committed; `--resume` on the Prefect flow (embedded API), with its stages on two
+    ranks, finishes the run: committed shards are read back, and the checkpoint, the optimizer's
+    row shards and every step's metrics are the single process's."""
     _, reference_checkpoint, reference_history = single_process
-    root = tmp_path / "root"
-    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
-    path = _yaml(tmp_path / "run.yaml", config, world_size=2)
-    # The Prefect flow (embedded API) with its stages on two ranks.
-    fresh_prefect_home(tmp_path / "prefect")
-    process = _train(path, tmp_path, _env(tmp_path))
-    out, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, out.decode()[-4000:]
-
-    checkpoint = latest_checkpoint(config.storage, config.run_id)
-    assert checkpoint.name == reference_checkpoint.name == f"v{NUM_STEPS:06d}"
-    _assert_same_checkpoint(checkpoint, reference_checkpoint, checkpoint_dir("qwen3_5"))
-    _assert_sharded_optimizer_state(checkpoint, reference_checkpoint)
-    history = read_metrics(root / "runs" / "ranks")
-    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
-    for two, one in zip(history, reference_history, strict=True):
-        assert two.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-7)
-        assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
-        assert two.kl == pytest.approx(one.kl, rel=1e-3, abs=1e-8)
-        assert two.shards_computed == one.shards_computed == 2 * 3
-        # Replay and the exact sweep are timed apart on the ranks too.
-        assert two.seconds["replay"] > 0 and two.seconds["sweep"] > 0, two.seconds
-    # One cacheable prefill task per shard on the ranks too (steps x groups x 3 shards).
-    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
-        names = [name for (name,) in db.execute("SELECT name FROM task_run")]
-    shard_tasks = [n for n in names if n.startswith("prefill s")]
-    assert len(shard_tasks) == NUM_STEPS * 2 * 3, sorted(names)
-    assert sorted({n.split()[1] for n in shard_tasks}) == ["s0/3", "s1/3", "s2/3"]
-
-
-def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed_shards(
-    tmp_path, checkpoint_dir, single_process
-):
-    _, reference_checkpoint, _ = single_process
     root = tmp_path / "root"
     config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
@@ -216,22 +187,36 @@ def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed
     text = out.decode()
     assert process.returncode != 0, text[-3000:]
     assert "rank 1" in text, text[-3000:]
-    assert not (run_dir / "checkpoints" / "v000002").exists()
+    assert not (run_dir / "checkpoints" / f"v{NUM_STEPS:06d}").exists()
     # No rank outlives the failed run.
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
-    resumed = _train(path, tmp_path, _env(tmp_path), "--no-prefect", "--resume")
+    fresh_prefect_home(tmp_path / "prefect")
+    resumed = _train(path, tmp_path, _env(tmp_path), "--resume")
     out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out.decode()[-4000:]
+
+    checkpoint = latest_checkpoint(config.storage, config.run_id)
+    assert checkpoint.name == reference_checkpoint.name == f"v{NUM_STEPS:06d}"
+    _assert_same_checkpoint(checkpoint, reference_checkpoint, checkpoint_dir("qwen3_5"))
+    _assert_sharded_optimizer_state(checkpoint, reference_checkpoint)
     history = read_metrics(run_dir)
-    assert [m.step for m in history] == [0, 1, 2]
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
+    for two, one in zip(history, reference_history, strict=True):
+        assert two.loss == pytest.approx(one.loss, rel=1e-4, abs=1e-7)
+        assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
+        assert two.kl == pytest.approx(one.kl, rel=1e-3, abs=1e-8)
+        # Replay and the exact sweep are timed apart on the ranks too.
+        assert two.seconds["replay"] > 0 and two.seconds["sweep"] > 0, two.seconds
+    assert (history[0].shards_computed, history[0].shards_reused) == (2 * 3, 0)
     # Step 1's states were committed before the kill: read back, not recomputed.
     assert (history[1].shards_computed, history[1].shards_reused) == (0, 2 * 3)
-    _assert_same_checkpoint(
-        latest_checkpoint(config.storage, config.run_id),
-        reference_checkpoint,
-        checkpoint_dir("qwen3_5"),
-    )
+    # One cacheable prefill task per shard on the ranks (the resumed step: 2 groups x 3 shards).
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        names = [name for (name,) in db.execute("SELECT name FROM task_run")]
+    shard_tasks = [n for n in names if n.startswith("prefill s")]
+    assert len(shard_tasks) == 2 * 3, sorted(names)
+    assert sorted({n.split()[1] for n in shard_tasks}) == ["s0/3", "s1/3", "s2/3"]
 
 
 def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
@@ -287,7 +272,13 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
         assert node.returncode == 0, out[-4000:]
     (metrics,) = read_metrics(root / "runs" / "ranks")
     assert _algorithm(metrics) == _algorithm(reference_history[0])
-    assert metrics.state_bytes_read > 0 and not list(scratch.iterdir())
+    # Each rank streamed its slice of the state and of dS from its scratch file (rollout,
+    # scoring, the backward), which one process with the whole state resident never does.
+    assert metrics.state_bytes_read > 0 and metrics.state_bytes_written > 0, metrics
+    assert metrics.state_peak_resident_bytes is not None, metrics
+    assert metrics.state_peak_resident_bytes > 0, metrics
+    assert reference_history[0].state_bytes_read == 0
+    assert not list(scratch.iterdir()), "scratch files left behind"
     checkpoint = latest_checkpoint(config.storage, config.run_id)
     assert checkpoint.name == "v000001"
     _assert_same_checkpoint(
@@ -334,36 +325,6 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
         for ids in json.loads(path.read_text())["response_ids"]
     ]
     assert max(lengths) > 4, lengths
-
-
-def test_state_budget_on_two_ranks_ends_with_the_single_process_checkpoint(
-    tmp_path, checkpoint_dir, single_process
-):
-    # engine.state_budget_bytes = 0 (it was refused on several ranks): each rank streams its
-    # slice of the state and of dS from a scratch file, in rollout, scoring and the backward.
-    _, reference_checkpoint, reference_history = single_process
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    base = _config(tmp_path / "root", checkpoint_dir("qwen3_5"), "ranks")
-    budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
-    config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
-    process = _train(
-        _yaml(tmp_path / "run.yaml", config, 2), tmp_path, _env(tmp_path), "--no-prefect"
-    )
-    out, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, out.decode()[-4000:]
-    _assert_same_checkpoint(
-        latest_checkpoint(config.storage, config.run_id),
-        reference_checkpoint,
-        checkpoint_dir("qwen3_5"),
-    )
-    history = read_metrics(tmp_path / "root" / "runs" / "ranks")
-    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
-    for m in history:
-        assert m.state_bytes_read > 0 and m.state_bytes_written > 0, m
-        assert m.state_peak_resident_bytes is not None and m.state_peak_resident_bytes > 0, m
-    assert all(m.state_bytes_read == 0 for m in reference_history)
-    assert not list(scratch.iterdir()), "scratch files left behind"
 
 
 def test_agent_run_on_two_ranks_samples_and_trains_what_one_process_does(tmp_path, checkpoint_dir):
