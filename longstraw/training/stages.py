@@ -64,15 +64,18 @@ from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import STEP_RECORD_KEY, read_metrics, write_step_metrics
+from longstraw.training.storage_faults import storage_faults
 from longstraw.training.streamed_state import budgeted_state
 
 
+@storage_faults
 def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
     """Where the run starts: its latest checkpoint (`resume`) or the configured model."""
     return start_policy(config, resume=resume)
 
 
 @on_all_ranks
+@storage_faults
 def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
     """The prompts of step `policy.step`, at the policy's version (on every rank: the first
     stage of a step, where a rank that holds no policy yet rebuilds and shards it)."""
@@ -96,6 +99,7 @@ def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
     return prompts
 
 
+@storage_faults
 def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard: int) -> ShardRef:
     """Make shards 0..`shard` of the prompt's state present (computed, or read back from the
     shard manifests an earlier attempt recorded) and persisted. Single-process runs only: ranks
@@ -124,6 +128,7 @@ def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard
 
 
 @on_all_ranks
+@storage_faults
 def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> PrefillReport:
     """The prompt's whole state at the policy's version: any shard still missing is computed,
     then the state is verified and committed."""
@@ -189,6 +194,7 @@ def score_logprobs(model, state, responses, *, temperature: float) -> list[torch
 
 
 @on_all_ranks
+@storage_faults
 def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> RolloutRef:
     """Sample G responses in one batch from the prompt's state (or take the run's imported
     responses) and score their rewards."""
@@ -311,6 +317,7 @@ def rollout_record(rollout: RolloutRef) -> RolloutRecord:
 
 
 @on_all_ranks
+@storage_faults
 def score_group(
     config: RunConfig, policy: PolicyRef, rollout: RolloutRef, which: str
 ) -> ScoresRef | None:
@@ -345,6 +352,7 @@ def score_group(
     )
 
 
+@storage_faults
 def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> AdvantagePlan:
     """Group-relative advantages (TRL's scale_rewards), loss masks and the step's normalisers,
     fixed before any replay."""
@@ -375,6 +383,7 @@ def _scores(ref: ScoresRef | None) -> list[torch.Tensor] | None:
 
 
 @on_all_ranks
+@storage_faults
 def backward_group(
     config: RunConfig,
     policy: PolicyRef,
@@ -495,6 +504,7 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
 
 
 @on_all_ranks
+@storage_faults
 def reduce_gradients(
     config: RunConfig, policy: PolicyRef, grads: list[GradRef], iteration: int = 0
 ) -> GradRef:
@@ -525,6 +535,7 @@ def reduce_gradients(
 
 
 @on_all_ranks
+@storage_faults
 def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> UpdateResult:
     """One optimizer step: the policy's next version."""
     if grads.policy_version != policy.policy_version:
@@ -563,6 +574,7 @@ def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
 
 
 @on_all_ranks
+@storage_faults
 def write_checkpoint(
     config: RunConfig, policy: PolicyRef, record: StepMetrics | None = None
 ) -> PolicyRef:
@@ -646,6 +658,7 @@ def is_checkpoint_step(config: RunConfig, steps_done: int) -> bool:
     return steps_done % config.train.checkpoint_every == 0 or steps_done >= config.train.num_steps
 
 
+@storage_faults
 def record_step(config: RunConfig, metrics: StepMetrics) -> StepMetrics:
     """Write the step's row of the run's metrics (keyed by step: a re-run step replaces its row)."""
     write_step_metrics(config.storage, config.run_id, metrics)
