@@ -12,9 +12,11 @@ reaches the run, which stops with one line (`longstraw.training.storage_faults`)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from urllib.parse import urlsplit
 
 from s3fs import S3FileSystem
@@ -30,7 +32,8 @@ def client_config(connect_timeout_s: float, read_timeout_s: float, max_attempts:
     return {
         "connect_timeout": connect_timeout_s,
         "read_timeout": read_timeout_s,
-        "retries": {"mode": "standard", "max_attempts": max_attempts},
+        # botocore's `max_attempts` counts retries; `total_max_attempts` the first attempt too.
+        "retries": {"mode": "standard", "total_max_attempts": max_attempts},
     }
 
 
@@ -47,11 +50,38 @@ class WatchedS3FileSystem(S3FileSystem):
             RetryWarning(
                 self.endpoint_url or client.meta.endpoint_url,
                 float(config.read_timeout),
-                int((config.retries or {}).get("max_attempts", 1)),
+                int((config.retries or {}).get("total_max_attempts", 1)),
             ),
             unique_id="longstraw-retry-warning",
         )
+        client.meta.events.register_last(
+            "before-call.s3", _no_expect_continue, unique_id="longstraw-no-expect-continue"
+        )
+        if self.asynchronous:
+            # s3fs closes a synchronous instance's connections at exit, an asynchronous one's
+            # (zarr's) never: aiohttp then says "Unclosed client session" after the run's last
+            # line. Closed the way s3fs closes its own when its loop is gone.
+            weakref.finalize(self, _close_connections, client)
         return client
+
+
+def _close_connections(client) -> None:
+    http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    for session in list((getattr(http, "_sessions", None) or {}).values()):
+        connector = session.connector
+        if connector is not None and not connector.closed:
+            with contextlib.suppress(Exception):
+                connector._close()
+
+
+def _no_expect_continue(params=None, **kwargs) -> None:
+    """Drop botocore's `Expect: 100-continue` (PutObject, UploadPart): aiohttp waits for the
+    "100 Continue" with no timeout at all, so an endpoint that accepts the connection and then
+    never answers would stall the upload forever, read timeout or not. Without it the body goes
+    at once and the read timeout bounds the wait for the answer (a refused upload costs its
+    body's bytes on the wire, nothing more)."""
+    if params is not None:
+        params.get("headers", {}).pop("Expect", None)
 
 
 class RetryWarning:

@@ -249,8 +249,8 @@ def damaged_state(error: StateIntegrityError) -> StorageFault:
         detail = detail.replace(f" ({uri})", "")
     return StorageFault(
         f"prompt state {state} is damaged: {detail}",
-        f"remove that state ({remove}): it is prefilled again; `longstraw state verify <state "
-        "dir>` checks another state's chunks",
+        f"remove that state ({remove}) and it is prefilled again (`longstraw state verify "
+        "<state dir>` re-reads every chunk of a state against its manifest)",
         path=state,
         kind="damaged-state",
     )
