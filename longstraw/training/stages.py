@@ -12,7 +12,8 @@ never a process's objects: a cache of this process sits behind each ref (`traini
 
 Stages that compute on the model are `on_all_ranks`: with `parallel.world_size > 1` every rank
 runs them together on its slice of the prompt state (`longstraw.distributed`), and rank 0 writes
-the files.
+the files. Every stage raises a storage fault (full or read-only volume, unreachable S3, damaged
+state) as a one-line StorageFault (`training.storage_faults`).
 """
 
 from __future__ import annotations
