@@ -22,7 +22,7 @@ from longstraw.distributed.cross_rank_attention import (
     CrossRankAttentionLayer,
     cross_rank_attention_enabled,
 )
-from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
+from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, CrossRankSegmentMlaLayer
 from longstraw.engine.exchange import PrefixExchange
 
 
@@ -60,14 +60,11 @@ class CrossRankExchange(PrefixExchange):
         return cross_rank_attention_enabled(model)
 
     def segment_kind_kwargs(self, state) -> dict:
-        if state.spec.mla is not None:
-            raise ValueError(
-                "engine.branch_segment_tokens and engine.share_response_prefixes do not run over "
-                f"a sequence-sharded {state.spec.model_type} (MLA) prompt state yet; unset them "
-                "or set parallel.world_size: 1"
-            )
-        full = cross_rank_kind_kwargs(state, self.group)["full_attention"]
-        return {"full_attention": full}
+        kinds = cross_rank_kind_kwargs(state, self.group)
+        return {
+            "full_attention": kinds["full_attention"],
+            "mla": kinds["mla"] | {"layer_class": CrossRankSegmentMlaLayer},
+        }
 
     def replay_branch(
         self,

@@ -181,6 +181,12 @@ def compare_with_single_process(
         )
         out[f"{mode}_logps"] = [g.tolist() for g in logps]
         out[f"{mode}_grad"] = _grad_errors(got, want)
+    if is_glm(model) and index_topk is not None and index_topk < prompt_len:
+        out["branches"] = _branch_cases_against_single_process(model, prompt_len, shard_tokens)
+        # The sparse regime: each rank's latents, rope and indexer keys streamed under a budget.
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config, cases=BUDGET_CASES[:2]
+        )
     return out
 
 
@@ -296,6 +302,62 @@ def resume_persisted_prefill(
     out["again_bitwise"] = all(
         torch.equal(gather_state(again).tensors()[n], t) for n, t in want.items()
     )
+    return out
+
+
+def budgeted_sharded_sessions(
+    rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
+):
+    """Per-shard `ShardedPrefillSession` calls with each rank's slice tiered from the start
+    (budget 0, disk, a 16-position grid), both schedules, against `sharded_prefill`."""
+    import tempfile
+
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine import attention
+    from longstraw.engine.layer_kinds import named_arrays
+    from longstraw.engine.state import token_rows
+    from longstraw.engine.state_tiers import StateBudget
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.storage import StateKey, StorageConfig
+
+    attention.PREFIX_CHUNK_TOKENS = 16
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, _, _ = _group(model.config.get_text_config().vocab_size, prompt_len)
+    want = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out = {}
+    for schedule in ("sequential", "wavefront"):
+        storage = StorageConfig(root_uri=f"{root}/{schedule}", persist_mode="synchronous")
+        key = StateKey.policy("budget", 0, "w" * 64, "d" * 64)
+        with tempfile.TemporaryDirectory() as scratch:
+            session = ShardedPrefillSession(
+                model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+                schedule=schedule, budget=StateBudget(0, "disk", scratch),
+            )  # fmt: skip
+            for shard in range(session.num_shards):
+                session.ensure_shard(shard)
+            state, outcome = session.finish()
+            got = named_arrays(state)
+            equal = {
+                name: torch.equal(
+                    token_rows(got[name], 0, got[name].shape[1])
+                    if hasattr(got[name], "read") else got[name], tensor,
+                )
+                for name, tensor in named_arrays(want).items()
+            }  # fmt: skip
+            equal["final_recurrent"] = torch.equal(state.final_recurrent, want.final_recurrent)
+            store = state.tiers.store
+            out[schedule] = {
+                "equal": equal,
+                "tiered": sorted(n for n, t in got.items() if hasattr(t, "read")),
+                "computed": outcome.shards_computed,
+                "committed": outcome.ref is not None,
+                "peak": store.peak_resident_bytes,
+                "chunk_unit": store.chunk_unit_bytes,
+            }
+            session.discard()
+            out[schedule]["scratch_left"] = os.listdir(scratch)
     return out
 
 
@@ -715,15 +777,22 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
                                     shard_tokens: int):  # fmt: skip
     """Segmented and prefix-tree replay over this rank's slice vs the single-process engine
     with the same engine options (run here too): gradient errors and log-probs per case."""
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    return _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=True)
+
+
+def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=False) -> dict:
+    """`BRANCH_CASES` on this rank's slice vs one process (and, with `budget`, the budgeted
+    cases against the resident slice)."""
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
-    from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    model.eval()
     vocab = model.config.get_text_config().vocab_size
     prompt, responses, advantages = _shared_prefix_group(vocab, prompt_len)
     config = GRPOConfig(beta=0.0)
@@ -753,4 +822,93 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
             ),
             "logps": [g.tolist() for g in logps],
         }
+    if budget:
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config
+        )
+    return out
+
+
+# Replay options run on a tiered slice of the sharded state (name, prompt_grad, segments, tree).
+BUDGET_CASES = (
+    ("whole", "exact", None, False),
+    ("detached", "detached", None, False),
+    ("segments_in_tree", "exact", 3, True),
+)
+# Prefix positions per chunk while the budgeted cases run: every rank's slice (66 and 53
+# positions) and every sweep prefix is cut into several chunks.
+BUDGET_CHUNK_TOKENS = 16
+
+
+def _budgeted_against_resident(
+    model, local, prompt, responses, advantages, config, cases=BUDGET_CASES
+) -> dict:
+    """Each rank's slice tiered under a budget of 0 (every chunk streamed, host and disk)
+    against the same slice resident: gradients, log-probs and sampled tokens, bit for bit, for
+    each of `cases` (`BUDGET_CASES` rows)."""
+    import tempfile
+
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.engine import attention
+    from longstraw.engine.rollout import SamplingParams
+    from longstraw.engine.state_tiers import state_traffic, tiered_for_group
+    from longstraw.models import glm
+
+    def same(a, b) -> bool:
+        return a.grads.keys() == b.grads.keys() and all(
+            torch.equal(a.grads[n], b.grads[n]) for n in a.grads
+        )
+
+    sampling = SamplingParams(num_samples=3, max_new_tokens=5, temperature=0.9)
+
+    def sample(state):
+        drawn = sharded_sample_responses(
+            model, state, sampling, generator=torch.Generator().manual_seed(SEED)
+        )
+        return [(r.token_ids, r.logprobs) for r in drawn]
+
+    out: dict = {}
+    previous = attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS
+    attention.PREFIX_CHUNK_TOKENS = glm.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
+    try:
+        # The prefill on the same grid: the exact sweep checks its recomputation bitwise.
+        local = sharded_prefill(model, prompt, shard_tokens=local.shard_tokens)
+        want_samples = sample(local)
+        for name, mode, segment_tokens, share in cases:
+            options = dict(
+                prompt_grad=mode, branch_segment_tokens=segment_tokens,
+                share_response_prefixes=share,
+            )  # fmt: skip
+            want, want_logps = sharded_group_gradients(
+                model, local, responses, advantages, config, **options
+            )
+            for tier in ("host", "disk"):
+                with tempfile.TemporaryDirectory() as scratch:
+                    with tiered_for_group(
+                        model, local, 0, tier, scratch, exact=mode == "exact"
+                    ) as tiered:
+                        got, logps = sharded_group_gradients(
+                            model, tiered, responses, advantages, config, **options
+                        )
+                        samples = sample(tiered) if name == "whole" else want_samples
+                        traffic = state_traffic(tiered)
+                        unit = tiered.tiers.store.chunk_unit_bytes
+                    left = os.listdir(scratch)
+                out[f"{name}-{tier}"] = {
+                    "grads_equal": same(got, want),
+                    "logps_equal": all(
+                        torch.equal(a, b) for a, b in zip(logps, want_logps, strict=True)
+                    ),
+                    "samples_equal": samples == want_samples,
+                    "bytes_read": traffic.bytes_read,
+                    "bytes_written": traffic.bytes_written,
+                    "peak": traffic.peak_resident_bytes,
+                    "chunk_unit": unit,
+                    "state_bytes": local.state_bytes(),
+                    "scratch_left": left,
+                }
+    finally:
+        attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS = previous
     return out
