@@ -104,8 +104,10 @@ def train_command(
     except (UserError, ConfigError) as error:
         if debug:
             raise
-        _error_line(str(error))
-        raise typer.Exit(2) from None
+        # Notes: what else the failure left to do (a lease that could not be removed).
+        _error_line("; ".join([str(error), *getattr(error, "__notes__", ())]))
+        # 2: the config or the input; a storage fault has its own status (74, EX_IOERR).
+        raise typer.Exit(getattr(error, "exit_code", 2)) from None
 
 
 def _error_line(message: str, prefix: str = "error: ") -> None:

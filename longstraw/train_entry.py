@@ -24,6 +24,7 @@ from rich.table import Table
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
+from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
 
 console = Console()
 
@@ -262,6 +263,22 @@ def run_training(
                 f"— continue it with: {resume_command(config, config_path, run_id, root)}",
                 128 + signum,
             ) from None
+        except Exception as exc:
+            # A fault outside the stages (the metrics, the plot, the curves) or wrapped on its way.
+            fault = storage_fault(exc, config)
+            if fault is None:
+                raise
+            fault.resume_hint = (
+                f"then continue it with: {resume_command(config, config_path, run_id, root)}"
+            )
+            if use_prefect and fault.kind in VOLUME_FAULTS:
+                from longstraw.flows.embedded_server import flush_before_volume_fault
+
+                flush_before_volume_fault()
+            if fault is exc:
+                raise
+            # One raised before (met again in the chain) keeps its own cause.
+            raise fault from (fault.__cause__ if fault.__traceback__ is not None else exc)
 
 
 def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = False) -> list:
@@ -302,10 +319,15 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
 
                 use_owned_ephemeral_server()  # survives the group's signal, dies with this one
                 if not debug:
+                    import logging
+
                     from longstraw.orchestration.console import hide_user_errors_on_console
 
                     # A user error is printed once, as one line, when it reaches the CLI.
                     hide_user_errors_on_console()
+                    # Prefect's log shipping then keeps quiet when the API fails (a full volume
+                    # under the embedded server's database): the stdlib's production setting.
+                    logging.raiseExceptions = False
 
                 console.print(
                     "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"

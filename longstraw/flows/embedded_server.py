@@ -23,6 +23,8 @@ PARENT_POLL_S = 1.0
 """How often the server checks that its parent lives (a dead parent's server goes within ~1 s)."""
 STOP_GRACE_S = 5.0
 """After SIGTERM, how long uvicorn gets to shut down before the process exits anyway."""
+FLUSH_S = 5.0
+"""Longest wait for Prefect's pending logs or events before a volume fault's line."""
 
 
 def use_owned_ephemeral_server() -> bool:
@@ -52,7 +54,7 @@ def use_owned_ephemeral_server() -> bool:
                     "--app-dir",
                     str(prefect.__module_path__.parent),
                     "--factory",
-                    "prefect.server.api.server:create_app",
+                    "longstraw.flows.embedded_server:create_app",
                     "--host",
                     "127.0.0.1",
                     "--port",
@@ -75,6 +77,35 @@ def use_owned_ephemeral_server() -> bool:
 
     OwnedEphemeralServer()
     return True
+
+
+def flush_before_volume_fault() -> None:
+    """Before a run that failed on its volume (full, read-only) says so in its last line: send
+    Prefect's pending logs and events now (at most a few seconds), so that what the server has
+    to say about its database — on that same volume by default, `./.longstraw/prefect` — comes
+    before that line, not after it at exit. Log shipping then stays quiet about failures (the
+    stdlib's switch for errors inside logging, which Prefect follows)."""
+    import logging
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=FLUSH_S, at_exit=False)
+    logging.raiseExceptions = False
+
+
+def create_app():
+    """Prefect's server app (what `prefect.server.api.server:create_app` makes for uvicorn), with
+    its console quiet about a full or read-only volume after the first line of each (the run
+    says what to do; `orchestration.console`). Called by uvicorn once logging is set up."""
+    from prefect.server.api.server import create_app as prefect_app
+
+    from longstraw.orchestration.console import all_handlers, quiet_volume_faults
+
+    app = prefect_app()
+    quiet_volume_faults(all_handlers(), short=True)
+    return app
 
 
 def _watch_parent(parent: int) -> None:

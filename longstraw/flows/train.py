@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -102,16 +103,21 @@ def train(
                 policy.policy_version,
             )
         history = []
+        # Whatever this flow run did, its curves hold every recorded step of the run: the resumed
+        # parts, and the steps before a failure.
         try:
             while policy.step < config.train.num_steps:
                 with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
                     policy, metrics = grpo_step(config, policy)
                 history.append(metrics)
                 publish_run_curves(config)
-        finally:
-            # Whatever this flow run did, its curves hold every recorded step of the run: the
-            # resumed parts, and the steps before a failure.
-            publish_run_curves(config)
+        except BaseException:
+            # The failure is what the run reports; curves that cannot be published on the way
+            # out (the same full or read-only volume) must not replace it.
+            with contextlib.suppress(Exception):
+                publish_run_curves(config)
+            raise
+        publish_run_curves(config)
     return history
 
 

@@ -6,6 +6,12 @@ two of them with a full traceback (the task run, each flow run around it): hundr
 before the one that says what to do. `hide_user_errors_on_console()` drops exactly those
 records from Prefect's console handlers; the API handler still sends them to the Prefect server,
 so the UI keeps every traceback, and `longstraw train --debug` shows them on the terminal.
+
+A full or read-only volume fails Prefect too when it holds the Prefect home (the embedded
+default keeps it beside the run's storage, `./.longstraw/prefect`): every result write, every
+log batch and every database write of the server then fails with a traceback, thousands of
+lines before the run's one. `OncePerVolumeFault` lets the first record of each such fault through
+and drops its repeats (on the server, without the traceback: `flows.embedded_server`).
 """
 
 from __future__ import annotations
@@ -56,15 +62,73 @@ def hide_user_errors_on_console() -> HideUserErrors:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     quiet = HideUserErrors()
+    consoles = [h for h in all_handlers() if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        if not any(isinstance(f, HideUserErrors) for f in handler.filters):
+            handler.addFilter(quiet)
+    quiet_volume_faults(consoles)
+    return quiet
+
+
+# What a full, read-only or failing volume looks like in Prefect's records (results, SQLite).
+VOLUME_FAULT_TEXTS = (
+    "No space left on device",
+    "database or disk is full",
+    "Read-only file system",
+    "attempt to write a readonly database",
+    "disk I/O error",
+)
+
+
+def volume_fault_text(record: logging.LogRecord) -> str | None:
+    """The VOLUME_FAULT_TEXTS phrase in the record's message or exception chain, if any."""
+    texts = [record.getMessage()]
+    exc = record.exc_info[1] if record.exc_info else None
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    for phrase in VOLUME_FAULT_TEXTS:
+        if any(phrase in text for text in texts):
+            return phrase
+    return None
+
+
+class OncePerVolumeFault(logging.Filter):
+    """Pass the first record of each volume fault (`short`: without its traceback, its
+    exception's last line appended), drop the records that repeat it."""
+
+    def __init__(self, short: bool = False):
+        super().__init__()
+        self.short = short
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or (phrase := volume_fault_text(record)) is None:
+            return True
+        if phrase in self.seen:
+            return False
+        self.seen.add(phrase)
+        if self.short and record.exc_info:
+            last = (str(record.exc_info[1]).strip().splitlines() or [""])[0]
+            record.msg, record.args = f"{record.getMessage()}: {last}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_volume_faults(handlers, short: bool = False) -> None:
+    """Add one OncePerVolumeFault to each handler (idempotent)."""
+    quiet = OncePerVolumeFault(short)
+    for handler in handlers:
+        if not any(isinstance(f, OncePerVolumeFault) for f in handler.filters):
+            handler.addFilter(quiet)
+
+
+def all_handlers() -> list[logging.Handler]:
     loggers = [logging.getLogger()] + [
         logger
         for logger in logging.Logger.manager.loggerDict.values()
         if isinstance(logger, logging.Logger)
     ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler) and not any(
-                isinstance(f, HideUserErrors) for f in handler.filters
-            ):
-                handler.addFilter(quiet)
-    return quiet
+    return [handler for logger in loggers for handler in logger.handlers]

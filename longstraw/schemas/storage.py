@@ -51,6 +51,14 @@ class StorageConfig(_Frozen):
     bounds the extra host memory to about one large shard)."""
     s3_endpoint_url: str | None = Field(default_factory=_default_s3_endpoint)
     """S3-compatible endpoint (e.g. http://127.0.0.1:9000); taken from AWS_ENDPOINT_URL_S3 by default."""
+    s3_read_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest wait for an S3 request's answer (each read of the socket); then a warning line
+    and a retry with backoff."""
+    s3_connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Longest wait for a connection to the S3 endpoint; then a warning line and a retry."""
+    s3_max_attempts: int = Field(default=5, ge=1)
+    """Attempts of one S3 request (botocore's standard retry mode: exponential backoff with
+    jitter, at most 20 s between attempts); after the last the run stops with one error line."""
     uncommitted_grace_seconds: float = Field(default=3600.0, ge=0)
     """gc leaves an uncommitted attempt alone until its newest object is this old (a live writer
     touches its attempt at least once per shard)."""

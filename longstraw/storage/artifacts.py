@@ -16,6 +16,7 @@ tensors under the URI only rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from longstraw.schemas.refs import GradRef, TensorSpec
 from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.checkpoints import run_dir
+from longstraw.storage.errors import as_os_error
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -62,10 +64,17 @@ def _atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as err:
+            if (mapped := as_os_error(err, path)) is err:
+                raise
+            raise mapped from err
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        # On a volume that turned read-only the removal fails too; the write's error is the one.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, value: BaseModel | list, *, write: bool = True) -> tuple[str, str]:

@@ -46,6 +46,7 @@ from longstraw.models.checkpoint import (
 )
 from longstraw.schemas.refs import CheckpointRef
 from longstraw.schemas.storage import StorageConfig
+from longstraw.storage.errors import as_os_error
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -100,7 +101,12 @@ def optimizer_part_name(rank: int, world_size: int) -> str:
 def save_optimizer_part(tmp: Path, tensors: dict[str, torch.Tensor], rank: int, world: int):
     """Rank `rank`'s optimizer rows into the checkpoint being written (`world` ranks)."""
     name = OPTIMIZER_FILE if world == 1 else optimizer_part_name(rank, world)
-    save_file(tensors, str(tmp / name))
+    try:
+        save_file(tensors, str(tmp / name))
+    except Exception as err:
+        if (mapped := as_os_error(err, tmp)) is err:
+            raise
+        raise mapped from err
 
 
 def process_umask() -> int:
@@ -142,7 +148,12 @@ def commit_checkpoint(
     already) and rename it to `final`: the rename is the commit. `state_dict`: the full weights
     when `model`'s own parameters are sharded."""
     try:
-        model.save_pretrained(str(tmp), state_dict=state_dict)
+        try:
+            model.save_pretrained(str(tmp), state_dict=state_dict)
+        except Exception as err:
+            if (mapped := as_os_error(err, tmp)) is err:
+                raise
+            raise mapped from err
         tokenizer.save_pretrained(str(tmp))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         write_checkpoint_metadata(tmp, policy_version=policy_version)
@@ -154,6 +165,10 @@ def commit_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if not final.exists():
             raise
+    except BaseException:
+        # No half-written checkpoint stays behind (a full disk gets its space back at once).
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return checkpoint_ref(final)
 
 

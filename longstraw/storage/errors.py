@@ -1,5 +1,24 @@
 """Errors raised by the storage layer; each message says what to do about it."""
 
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def as_os_error(err: Exception, path: Path | str) -> Exception:
+    """safetensors (Rust) reports a failed write as `SafetensorError: ... (os error 28)`: the
+    OSError it is, naming `path`, so that the fault is said as what it is (disk full,
+    read-only). Anything else (an OSError too) is returned as it is."""
+    match = None if isinstance(err, OSError) else _OS_ERROR_IN_TEXT.search(str(err))
+    if match is None:
+        return err
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
 
 class StateNotCommittedError(FileNotFoundError):
     """No COMMITTED.json where a committed state was expected (never written, or the writer died)."""

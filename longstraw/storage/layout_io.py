@@ -11,7 +11,7 @@ import zarr
 from zarr.codecs import BytesCodec
 
 from longstraw.schemas.storage import ArraySpec, ChunkDigest, StateLayout, StorageConfig
-from longstraw.storage.paths import storage_options
+from longstraw.storage.paths import s3_filesystem, storage_options
 
 # catch_warnings() swaps process-global state: serialise our own uses of it across writer threads.
 _WARNINGS_LOCK = threading.Lock()
@@ -60,6 +60,9 @@ def chunk_segments(
 def zarr_store(zarr_uri: str, config: StorageConfig | None = None):
     if zarr_uri.startswith("file://"):
         return zarr.storage.LocalStore(zarr_uri[len("file://") :])
+    if zarr_uri.startswith("s3://"):
+        fs, path = s3_filesystem(zarr_uri, config, asynchronous=True)
+        return zarr.storage.FsspecStore(fs=fs, path=path)
     return zarr.storage.FsspecStore.from_url(
         zarr_uri, storage_options=storage_options(zarr_uri, config) or None
     )

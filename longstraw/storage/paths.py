@@ -6,6 +6,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from longstraw.schemas.storage import StateKey, StorageConfig
+from longstraw.storage.s3_client import WatchedS3FileSystem, client_config
 
 COMMITTED_NAME = "COMMITTED.json"
 SHARDS_DIR = "shards"
@@ -31,12 +32,20 @@ def attempt_dir_name(attempt_id: str) -> str:
 
 
 def storage_options(uri: str, config: StorageConfig | None = None) -> dict:
-    """fsspec options for a URI: the S3 endpoint from the config (or the environment)."""
+    """fsspec options for a URI: the S3 endpoint from the config (or the environment), and the
+    client's timeouts and retries (`storage.s3_client`)."""
     if uri.startswith("s3://"):
-        endpoint = config.s3_endpoint_url if config is not None else None
-        if endpoint is None:
-            endpoint = StorageConfig().s3_endpoint_url
-        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+        defaults = StorageConfig()
+        config = config or defaults
+        endpoint = config.s3_endpoint_url or defaults.s3_endpoint_url
+        options: dict = {
+            "config_kwargs": client_config(
+                config.s3_connect_timeout_s, config.s3_read_timeout_s, config.s3_max_attempts
+            )
+        }
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
+        return options
     return {}
 
 
@@ -46,8 +55,18 @@ def filesystem(
     """(filesystem, path without protocol) for a URI; local paths become file:// URIs."""
     if "://" not in uri:
         uri = StorageConfig(root_uri=uri).root_uri
+    if uri.startswith("s3://"):
+        return s3_filesystem(uri, config)
     fs, path = url_to_fs(uri, **storage_options(uri, config))
     return fs, path.rstrip("/")
+
+
+def s3_filesystem(
+    uri: str, config: StorageConfig | None = None, *, asynchronous: bool = False
+) -> tuple[WatchedS3FileSystem, str]:
+    """The S3 filesystem of `uri` (instances are cached by their options, as fsspec's are)."""
+    fs = WatchedS3FileSystem(asynchronous=asynchronous, **storage_options(uri, config))
+    return fs, fs._strip_protocol(uri).rstrip("/")
 
 
 def join(uri: str, *parts: str) -> str:

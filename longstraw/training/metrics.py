@@ -12,6 +12,7 @@ write, so every checkpointed step has its row exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -74,8 +75,13 @@ def settle_metrics(storage: StorageConfig, policy: PolicyRef) -> None:
 def _write_rows(run_path: Path, rows: list[StepMetrics]) -> None:
     run_path.mkdir(parents=True, exist_ok=True)
     tmp = run_path / f"{METRICS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text("".join(m.model_dump_json() + "\n" for m in rows))
-    os.replace(tmp, run_path / METRICS_FILE)
+    try:
+        tmp.write_text("".join(m.model_dump_json() + "\n" for m in rows))
+        os.replace(tmp, run_path / METRICS_FILE)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: no partial copy left behind
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def plot_rewards(run_path: Path, history: list[StepMetrics]) -> Path | None:
@@ -104,6 +110,12 @@ def plot_rewards(run_path: Path, history: list[StepMetrics]) -> Path | None:
     ax.legend()
     fig.tight_layout()
     path = run_path / PLOT_FILE
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = run_path / f"{PLOT_FILE}.tmp-{uuid.uuid4().hex[:8]}.png"
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)  # a reader never sees half a plot
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return path

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
+from longstraw.training.storage_faults import human_size
 
 S3_CREDENTIALS = "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3"
 
@@ -366,7 +367,6 @@ def _tokenizer_and_framing(config: RunConfig) -> tuple[object, int]:
     return tokenizer, len(chat_prompt_ids(tokenizer, [], system=system))
 
 
-_GIB = 2**30
 # What one step writes besides the arrays and the weights: JSON manifests (a few KiB per prompt
 # state and per prefill shard), the rollout records, metrics rows and curves (about 20 KiB for
 # the demo's step). Negligible at real scale; it keeps the estimate above a tiny run's writes.
@@ -454,16 +454,9 @@ def check_free_space(config: RunConfig, lengths: list[int]) -> None:
     needed = sum(writes.values())
     free = shutil.disk_usage(directory).free
     if free < needed:
-        parts = ", ".join(f"{name} {_size(n)}" for name, n in writes.items() if n)
+        parts = ", ".join(f"{name} {human_size(n)}" for name, n in writes.items() if n)
         raise UserError(
-            f"{directory} has {_size(free)} free, but one step writes about {_size(needed)} "
-            f"({parts}) — free at least {_size(needed - free)} there, or point storage at a "
+            f"{directory} has {human_size(free)} free, but one step writes about {human_size(needed)} "
+            f"({parts}) — free at least {human_size(needed - free)} there, or point storage at a "
             "larger volume"
         )
-
-
-def _size(num_bytes: int) -> str:
-    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"

@@ -111,8 +111,28 @@ def run_lease(config: RunConfig, *, lease_s: float = DEFAULT_LEASE_S) -> Iterato
     heartbeats.register(str(path), lambda: touch_if_owned(path, owner.token))
     try:
         yield path
-    finally:
-        heartbeats.unregister(str(path))
-        with _held_lock:
-            _held.pop(path, None)
+    except BaseException as failure:
+        _release(path, content, lease_s, failure)
+        raise
+    _release(path, content, lease_s, None)
+
+
+def _release(path: Path, content: bytes, lease_s: float, failure: BaseException | None) -> None:
+    """Remove the lease. One that cannot be removed (the volume turned read-only, or is full and
+    the removal's rename fails) is harmless — this process is gone when the next run looks — but
+    it is said, with how to remove it: as a note of the error that ends the run, or a warning."""
+    heartbeats.unregister(str(path))
+    with _held_lock:
+        _held.pop(path, None)
+    try:
         remove_if_unchanged(path, content)
+    except OSError as err:
+        note = (
+            f"its lease {path} could not be removed ({err.strerror or err}): the next run on "
+            f"this host takes it over at once (on another host {lease_s:.0f} s after its last "
+            f"heartbeat), or remove it once the volume is writable: rm {path}"
+        )
+        if failure is not None:
+            failure.add_note(note)
+        else:
+            logger.warning("warning: %s", note)

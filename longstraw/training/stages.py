@@ -12,7 +12,8 @@ never a process's objects: a cache of this process sits behind each ref (`traini
 
 Stages that compute on the model are `on_all_ranks`: with `parallel.world_size > 1` every rank
 runs them together on its slice of the prompt state (`longstraw.distributed`), and rank 0 writes
-the files.
+the files. Every stage raises a storage fault (full or read-only volume, unreachable S3, damaged
+state) as a one-line StorageFault (`training.storage_faults`).
 """
 
 from __future__ import annotations
@@ -64,15 +65,18 @@ from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import STEP_RECORD_KEY, read_metrics, write_step_metrics
+from longstraw.training.storage_faults import storage_faults
 from longstraw.training.streamed_state import budgeted_state
 
 
+@storage_faults
 def open_run(config: RunConfig, resume: bool = False) -> PolicyRef:
     """Where the run starts: its latest checkpoint (`resume`) or the configured model."""
     return start_policy(config, resume=resume)
 
 
 @on_all_ranks
+@storage_faults
 def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
     """The prompts of step `policy.step`, at the policy's version (on every rank: the first
     stage of a step, where a rank that holds no policy yet rebuilds and shards it)."""
@@ -97,6 +101,7 @@ def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
 
 
 @on_all_ranks
+@storage_faults
 def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard: int) -> ShardRef:
     """Make shards 0..`shard` of the prompt's state present (computed, or read back from the
     shard manifests an earlier attempt recorded) and persisted: on one process, or by the ranks
@@ -132,6 +137,7 @@ def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard
 
 
 @on_all_ranks
+@storage_faults
 def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> PrefillReport:
     """The prompt's whole state at the policy's version: any shard still missing is computed,
     then the state is verified and committed."""
@@ -197,6 +203,7 @@ def score_logprobs(model, state, responses, *, temperature: float) -> list[torch
 
 
 @on_all_ranks
+@storage_faults
 def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> RolloutRef:
     """Sample G responses in one batch from the prompt's state (or take the run's imported
     responses) and score their rewards."""
@@ -319,6 +326,7 @@ def rollout_record(rollout: RolloutRef) -> RolloutRecord:
 
 
 @on_all_ranks
+@storage_faults
 def score_group(
     config: RunConfig, policy: PolicyRef, rollout: RolloutRef, which: str
 ) -> ScoresRef | None:
@@ -353,6 +361,7 @@ def score_group(
     )
 
 
+@storage_faults
 def compute_advantages(config: RunConfig, rollouts: list[RolloutRef]) -> AdvantagePlan:
     """Group-relative advantages (TRL's scale_rewards), loss masks and the step's normalisers,
     fixed before any replay."""
@@ -383,6 +392,7 @@ def _scores(ref: ScoresRef | None) -> list[torch.Tensor] | None:
 
 
 @on_all_ranks
+@storage_faults
 def backward_group(
     config: RunConfig,
     policy: PolicyRef,
@@ -522,6 +532,7 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
 
 
 @on_all_ranks
+@storage_faults
 def reduce_gradients(
     config: RunConfig, policy: PolicyRef, grads: list[GradRef], iteration: int = 0
 ) -> GradRef:
@@ -552,6 +563,7 @@ def reduce_gradients(
 
 
 @on_all_ranks
+@storage_faults
 def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> UpdateResult:
     """One optimizer step: the policy's next version."""
     if grads.policy_version != policy.policy_version:
@@ -590,6 +602,7 @@ def best_rewarded_versions(config: RunConfig) -> frozenset[int]:
 
 
 @on_all_ranks
+@storage_faults
 def write_checkpoint(
     config: RunConfig, policy: PolicyRef, record: StepMetrics | None = None
 ) -> PolicyRef:
@@ -673,6 +686,7 @@ def is_checkpoint_step(config: RunConfig, steps_done: int) -> bool:
     return steps_done % config.train.checkpoint_every == 0 or steps_done >= config.train.num_steps
 
 
+@storage_faults
 def record_step(config: RunConfig, metrics: StepMetrics) -> StepMetrics:
     """Write the step's row of the run's metrics (keyed by step: a re-run step replaces its row)."""
     write_step_metrics(config.storage, config.run_id, metrics)
