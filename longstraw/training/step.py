@@ -231,17 +231,17 @@ def step_metrics(
         prompt_tokens=prompt_tokens,
         completion_tokens=int(num_items),
         completion_length_mean=(
-            sum(completion_lengths) / len(completion_lengths) if completion_lengths else 0.0
+            sum(completion_lengths) / len(completion_lengths) if completion_lengths else None
         ),
-        completion_length_min=min(completion_lengths, default=0),
-        completion_length_max=max(completion_lengths, default=0),
+        completion_length_min=min(completion_lengths, default=None),
+        completion_length_max=max(completion_lengths, default=None),
         num_groups=rewards.shape[0],
         truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
         peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
         shards_computed=shards_computed,
         shards_reused=shards_reused,
-        state_bytes=max((s.state_bytes for s in group_stats), default=0),
+        state_bytes=max((s.state_bytes for s in group_stats), default=None),
         state_peak_resident_bytes=max((t.peak_resident_bytes for t in tiered), default=None),
         state_bytes_read=sum(t.bytes_read for t in tiered),
         state_bytes_written=sum(t.bytes_written for t in tiered),

@@ -198,3 +198,26 @@ def test_wandb_run_file_reader_reads_records_that_span_blocks(tmp_path):
     rows = history(tmp_path, "r1")
     assert [(step, values["reward"]) for step, values in rows] == [(0, 0.25), (1, 0.5)]
     assert rows[0][1]["text"] == "y" * 100000
+
+
+def test_a_row_recorded_before_the_new_numbers_leaves_them_out():
+    from longstraw.schemas.results import StepMetrics
+
+    old = StepMetrics.model_validate(
+        {
+            "step": 0,
+            "policy_version": 0,
+            "reward_mean": 0.5,
+            "reward_std": 0.1,
+            "advantage_mean": 0.0,
+            "advantage_std": 1.0,
+            "advantage_min": -1.0,
+            "advantage_max": 1.0,
+            "loss": 0.0,
+        }
+    )
+    values = tracker_metrics(old, agent=False)
+    assert values["reward"] == 0.5
+    assert not {"frac_reward_zero_std", "completions/mean_length", "longstraw/state_bytes"} & set(
+        values
+    )
