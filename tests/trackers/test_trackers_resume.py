@@ -8,6 +8,7 @@ adds W&B and Trackio, which must catch up with steps 0 and 1 from metrics.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "tracked"
 NUM_STEPS = 4
 NUM_GENERATIONS = 2
-REWARD_DELAY_S = 2.0
+REWARD_DELAY_S = 3.0
 """Step 3's rewards are slow (same values), so the kill lands inside step 3, after step 2 was
 logged and before step 3's checkpoint."""
 STEPS = list(range(NUM_STEPS))
@@ -120,14 +121,17 @@ def killed_and_resumed(tmp_path_factory, checkpoint_dir):
     try:
         deadline = time.monotonic() + 300
         held: list[int] = []
+        client = None
         # MLflow is the last tracker of the list: once it holds step 2, both do.
         while 2 not in held:
             assert process.poll() is None, process.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "step 2 never reached the trackers"
             if (trackers / "mlflow" / "run_id.json").is_file():
-                client = _mlflow_client(trackers)
                 run_id = json.loads((trackers / "mlflow" / "run_id.json").read_text())["id"]
-                held = [m.step for m in client.get_metric_history(run_id, "reward")]
+                client = client or _mlflow_client(trackers)
+                # The trainer may hold the store's write lock this instant: ask again.
+                with contextlib.suppress(Exception):
+                    held = [m.step for m in client.get_metric_history(run_id, "reward")]
             time.sleep(0.2)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
