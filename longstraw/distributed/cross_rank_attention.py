@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface, PreTrainedModel
 
+from longstraw.engine import attention
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import PrefixAttentionLayer
 from longstraw.models.glm import is_glm
@@ -55,8 +56,15 @@ from longstraw.ops.partial_attention import (
 )
 
 ATTENTION_NAME = "longstraw_sharded"
-# Prefix keys per chunk of the partial attention (bounds the score block to [B, H, R, 1024]).
-CHUNK_TOKENS = 1024
+
+
+def partial_chunk_tokens() -> int:
+    """Prefix keys per chunk of the partial attention: the single-process kernels' grid
+    (`engine.attention.PREFIX_CHUNK_TOKENS`, read at call time), which is also the unit a
+    tiered slice streams in, so that a streamed prefix gives the resident bits."""
+    return attention.PREFIX_CHUNK_TOKENS
+
+
 # Header ops broadcast by the owner before each exchange (cross_rank_mla adds 3-5).
 OP_FORWARD, OP_BACKWARD, OP_DONE = 0, 1, 2
 # "The gradient slices of parameter `slot` follow" (sweep with sequence-sharded accumulators:
@@ -168,12 +176,14 @@ class _CrossRankAttention(torch.autograd.Function):
             )
             _broadcast(q_s, layer.owner, layer.group)
         out_p, lse_p = prefix_partial(
-            q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=CHUNK_TOKENS
+            q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=partial_chunk_tokens()
         )
         outs, lses = _gather_partials(out_p, lse_p, layer.group)
         extra = layer.extra_prefix
         if extra is not None:
-            out_e, lse_e = prefix_partial(q_s, extra[0], extra[1], chunk_size=CHUNK_TOKENS)
+            out_e, lse_e = prefix_partial(
+                q_s, extra[0], extra[1], chunk_size=partial_chunk_tokens()
+            )
             outs, lses = [*outs, out_e], [*lses, lse_e]
         out_b, lse_b = causal_partial(q_s, k_BKRD, v_BKRV)
         out_BHRV, lse_BHR = merge_partials([*outs, out_b], [*lses, lse_b])
@@ -206,7 +216,7 @@ class _CrossRankAttention(torch.autograd.Function):
             _broadcast(packed, layer.owner, layer.group)
         grad_q_s = prefix_partial_backward(
             q_s, grad_out, lse_BHR, delta_BHR, layer.prefix_k_TKD, layer.prefix_v_TKD,
-            chunk_size=CHUNK_TOKENS, grad_k_TKD=layer.grad_k_TKD, grad_v_TKV=layer.grad_v_TKD,
+            chunk_size=partial_chunk_tokens(), grad_k_TKD=layer.grad_k_TKD, grad_v_TKV=layer.grad_v_TKD,
         )  # fmt: skip
         _all_reduce(grad_q_s, layer.group)
         extra = layer.extra_prefix
@@ -214,7 +224,7 @@ class _CrossRankAttention(torch.autograd.Function):
             # Replicated: every rank adds the same earlier-segment cotangent into its own copy
             # of the branch's, and its dq share needs no reduction.
             grad_q_s = grad_q_s + prefix_partial_backward(
-                q_s, grad_out, lse_BHR, delta_BHR, extra[0], extra[1], chunk_size=CHUNK_TOKENS,
+                q_s, grad_out, lse_BHR, delta_BHR, extra[0], extra[1], chunk_size=partial_chunk_tokens(),
                 grad_k_TKD=extra[2], grad_v_TKV=extra[3],
             )  # fmt: skip
         grad_q_b, grad_k, grad_v = causal_partial_backward(
@@ -256,7 +266,7 @@ def serve_owner(
         if op == OP_FORWARD:
             q_s = _broadcast(torch.empty(batch, heads, length, dim), owner, group)
             out_p, lse_p = prefix_partial(
-                q_s, prefix_k_TKD[slot], prefix_v_TKD[slot], chunk_size=CHUNK_TOKENS
+                q_s, prefix_k_TKD[slot], prefix_v_TKD[slot], chunk_size=partial_chunk_tokens()
             )
             _gather_partials(out_p, lse_p, group)
             saved_q[slot] = q_s
@@ -268,7 +278,7 @@ def serve_owner(
             packed = _broadcast(torch.empty(batch, heads, length, value_dim + 2), owner, group)
             grad_q_s = prefix_partial_backward(
                 q_s, packed[..., :value_dim], packed[..., value_dim], packed[..., value_dim + 1],
-                prefix_k_TKD[layer], prefix_v_TKD[layer], chunk_size=CHUNK_TOKENS,
+                prefix_k_TKD[layer], prefix_v_TKD[layer], chunk_size=partial_chunk_tokens(),
                 grad_k_TKD=None if grad_k_TKD is None else grad_k_TKD[layer],
                 grad_v_TKV=None if grad_v_TKD is None else grad_v_TKD[layer],
             )  # fmt: skip
@@ -337,6 +347,10 @@ def cross_rank_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     """Run `model`'s full-attention (and GLM MLA) layers across ranks inside the block."""
     config = model.config
     previous = config._attn_implementation
+    if previous == ATTENTION_NAME:
+        # Already enabled by an enclosing block (a sampler's loop around each step's forward).
+        yield
+        return
     config._attn_implementation = ATTENTION_NAME
     family = contextlib.nullcontext()
     if is_glm(model):

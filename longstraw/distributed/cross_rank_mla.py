@@ -53,13 +53,9 @@ from longstraw.distributed.cross_rank_attention import (
     _header,
     answer_gradient_slices,
 )
-from longstraw.engine.cache import PrefixMlaLayer
-from longstraw.models.glm import (
-    PREFIX_CHUNK_TOKENS,
-    index_scores,
-    mla_inputs,
-    previous_selection,
-)
+from longstraw.engine.cache import PrefixMlaLayer, SegmentMlaLayer
+from longstraw.models import glm
+from longstraw.models.glm import index_scores, mla_inputs, previous_selection
 from longstraw.models.patching import forwards_replaced
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
@@ -143,6 +139,14 @@ class CrossRankMlaLayer(PrefixMlaLayer):
         )
 
 
+class CrossRankSegmentMlaLayer(SegmentMlaLayer, CrossRankMlaLayer):
+    """A long branch's segment over a sharded prompt (replicated): the prompt's latents are read
+    across ranks as by `CrossRankMlaLayer`, and the branch's earlier segments — the same on
+    every rank — are prepended to this forward's latents, rope and indexer keys (`earlier`, as
+    `SegmentMlaLayer` does single-process), so every rank reads them as causal branch keys
+    itself and their cotangent goes to its own copy of the branch's."""
+
+
 def _all_gather(t: Tensor, group) -> list[Tensor]:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     COMM.add(t)
@@ -166,8 +170,8 @@ def local_topk_candidates(
         return out
     scores_BST = torch.cat(
         [
-            index_scores(indexer, q_BSHD, weights_BSH, index_TD[s : s + PREFIX_CHUNK_TOKENS])
-            for s in range(0, num, PREFIX_CHUNK_TOKENS)
+            index_scores(indexer, q_BSHD, weights_BSH, index_TD[s : s + glm.PREFIX_CHUNK_TOKENS])
+            for s in range(0, num, glm.PREFIX_CHUNK_TOKENS)
         ],
         dim=-1,
     )
@@ -260,14 +264,14 @@ def _local_partial(q_lat_BHSR, q_rot_BHSE, lat_TR, rope_TE, selected_BSK, scale,
         with torch.no_grad():
             out, lse = _PrefixLatentAttention.apply(
                 q_lat_BHSR, q_rot_BHSE, lat_TR, rope_TE, selected_BSK, scale,
-                PREFIX_CHUNK_TOKENS, (None, None),
+                glm.PREFIX_CHUNK_TOKENS, (None, None),
             )  # fmt: skip
         return out, lse, None
     with torch.enable_grad():
         q_lat = q_lat_BHSR.detach().requires_grad_(True)
         q_rot = q_rot_BHSE.detach().requires_grad_(True)
         out, lse = _PrefixLatentAttention.apply(
-            q_lat, q_rot, lat_TR, rope_TE, selected_BSK, scale, PREFIX_CHUNK_TOKENS, grads
+            q_lat, q_rot, lat_TR, rope_TE, selected_BSK, scale, glm.PREFIX_CHUNK_TOKENS, grads
         )
     return out, lse, (q_lat, q_rot)
 
@@ -409,7 +413,12 @@ def sharded_mla_forward(
     latent_BXR, rope_BXE, index_BXD = layer.update(
         inputs.latent_BSR, inputs.rope_BSE, inputs.index_key_BSD
     )
-    if latent_BXR.shape[1] != length and (layer.owner is not None or torch.is_grad_enabled()):
+    segment = isinstance(layer, SegmentMlaLayer)  # earlier segments: X > S with autograd
+    if (
+        latent_BXR.shape[1] != length
+        and not segment
+        and (layer.owner is not None or torch.is_grad_enabled())
+    ):
         # Decoding (a kept overlay longer than this forward): the selection and the latent
         # attention below are already bottom-right aligned, as single-process; no backward.
         raise RuntimeError(

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import (
+    COMM,
     CrossRankAttentionLayer,
     cross_rank_attention_enabled,
 )
-from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
+from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, CrossRankSegmentMlaLayer
 from longstraw.engine.exchange import PrefixExchange
 
 
@@ -41,24 +42,29 @@ def cross_rank_kind_kwargs(state, group, **attention) -> dict:
     }
 
 
+class ReplicaDivergenceError(RuntimeError):
+    """Ranks of the sequence group drew different tokens in a replicated decode step."""
+
+
 @dataclass(frozen=True)
 class CrossRankExchange(PrefixExchange):
-    """The prompt state is split over the ranks of `group` (None: the default group)."""
+    """The prompt state is split over the ranks of `group` (None: the default group).
+
+    `control` carries the Python objects `on_leader` hands out (a gloo group where `group` is
+    NCCL; None: `group` itself)."""
 
     group: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = None
 
     def attention_enabled(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         return cross_rank_attention_enabled(model)
 
     def segment_kind_kwargs(self, state) -> dict:
-        if state.spec.mla is not None:
-            raise ValueError(
-                "engine.branch_segment_tokens and engine.share_response_prefixes do not run over "
-                f"a sequence-sharded {state.spec.model_type} (MLA) prompt state yet; unset them "
-                "or set parallel.world_size: 1"
-            )
-        full = cross_rank_kind_kwargs(state, self.group)["full_attention"]
-        return {"full_attention": full}
+        kinds = cross_rank_kind_kwargs(state, self.group)
+        return {
+            "full_attention": kinds["full_attention"],
+            "mla": kinds["mla"] | {"layer_class": CrossRankSegmentMlaLayer},
+        }
 
     def replay_branch(
         self,
@@ -85,3 +91,39 @@ class CrossRankExchange(PrefixExchange):
                 branch.add_leaf_grads_into(cotangent)
 
         return logp, hand_back
+
+    def decoding_cache(self, state, *, batch_size: int, branch_capacity: int):
+        from longstraw.distributed.sharded_replay import ShardedBranch
+
+        del branch_capacity  # the cross-rank layers grow their kept K/V step by step
+        return ShardedBranch(state, None, self.group, keep_branch=True, batch_size=batch_size).cache
+
+    def check_draws(self, choice_G1: torch.Tensor, step: int) -> None:
+        """Every rank drew the same G tokens at this step (else raise on every rank): a rank
+        that drew otherwise would leave the others blocked in a collective or silently train on
+        other responses. 8·G bytes per rank and step."""
+        draws = choice_G1.reshape(-1).to(torch.int64).contiguous()
+        parts = [torch.empty_like(draws) for _ in range(dist.get_world_size(self.group))]
+        COMM.add(draws)
+        dist.all_gather(parts, draws, group=self.group)
+        differ = [rank for rank, part in enumerate(parts) if not torch.equal(part, parts[0])]
+        if differ:
+            raise ReplicaDivergenceError(
+                f"decode step {step}: ranks {differ} drew {[parts[r].tolist() for r in differ]}, "
+                f"rank 0 drew {parts[0].tolist()}; seed every rank's generator identically and "
+                "use the same model weights, dtype and sampling parameters on every rank"
+            )
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank(self._objects) == 0
+
+    @property
+    def _objects(self) -> dist.ProcessGroup | None:
+        return self.control if self.control is not None else self.group
+
+    def on_leader(self, call: Callable[[], object]) -> object:
+        """`call()` on the group's first rank only; every rank returns its result."""
+        message = [call() if self.is_leader else None]
+        dist.broadcast_object_list(message, group=self._objects, group_src=0)
+        return message[0]

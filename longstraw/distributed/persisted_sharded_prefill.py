@@ -38,6 +38,8 @@ from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharde
 from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 from longstraw.engine.layer_kinds import named_arrays
+from longstraw.engine.state import token_rows
+from longstraw.engine.state_tiers import StateBudget, tiered_like
 from longstraw.schemas.storage import (
     ArraySpec,
     PrefixStateRef,
@@ -109,7 +111,7 @@ def _shard_payload(state: ShardedPrefixState, shard: int):
             ends[name] = tensor[:, local + 1]
             initial[name] = tensor[:, 0]
         else:
-            tokens[name] = tensor[:, start - state.token_start : end - state.token_start]
+            tokens[name] = token_rows(tensor, start - state.token_start, end - state.token_start)
     return tokens, ends, (initial if shard == 0 else None)
 
 
@@ -117,9 +119,11 @@ def _restore_shard(state: ShardedPrefixState, shard: int, data: ShardData) -> No
     start, end = state.bounds[shard]
     local = shard - state.shards[0]
     tensors = sharded_state_tensors(state)
+    rows = slice(start - state.token_start, end - state.token_start)
     for name, piece in data.token_slices.items():
-        target = tensors[name][:, start - state.token_start : end - state.token_start]
-        target.copy_(piece)
+        target = tensors[name]
+        for slot in range(target.shape[0]):
+            target[slot, rows] = piece[slot]
     for name, piece in data.checkpoints.items():
         tensors[name][:, local + 1] = piece
     for name, piece in (data.initial_checkpoints or {}).items():
@@ -159,6 +163,159 @@ def _broadcast_int(value: int, group) -> int:
     return int(t.item())
 
 
+class ShardedPrefillSession:
+    """One prompt's persisted sharded prefill, a few shards at a time: the ranks' counterpart of
+    the single-process `PrefillSession`, so that an orchestrator makes each shard a task on the
+    ranks too. Every rank calls each method together (they are collectives)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: torch.Tensor | Sequence[int],
+        *,
+        shard_tokens: int,
+        storage: StorageConfig,
+        key: StateKey,
+        group: dist.ProcessGroup | None = None,
+        on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+        manifest_timeout_s: float = 300.0,
+        schedule: Literal["sequential", "wavefront"] = "sequential",
+        budget: StateBudget | None = None,
+    ):
+        """`budget` (None: resident): this rank's
+        slice is tiered from the start, its shards' rows written straight to the lower tier."""
+        if schedule not in _SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
+        self.model, self.group, self.schedule = model, group, schedule
+        self.shard_tokens, self.on_shard = shard_tokens, on_shard
+        self.manifest_timeout_s = manifest_timeout_s
+        self.tiered = None
+        if budget is None:
+            self.state = allocate_sharded_state(
+                model, prompt_ids, shard_tokens=shard_tokens, group=group
+            )
+        else:
+            shapes = allocate_sharded_state(
+                model, prompt_ids, shard_tokens=shard_tokens, group=group, device="meta"
+            )
+            self.tiered = tiered_like(model, shapes, budget)
+            self.state = self.tiered.state
+        self.storage = storage
+        self.writer = None
+        self.resume_at = 0
+        self.restored: list[int] = []
+        self.computed: list[int] = []
+        self.needs_boundary = False
+        self.outcome: ShardedPrefillOutcome | None = None
+        if storage.persist_mode != "off":
+            self.writer = open_persisting_writer(
+                storage, key, sharded_state_layout(self.state), resume=True
+            )
+            self.key = key
+            with self._closing_on_error():
+                # Rank 0's view decides: ranks listing the directory at slightly different
+                # moments must still agree on where the computation starts.
+                first = self.writer.next_shard() if self.state.rank == 0 else 0
+                self.resume_at = _broadcast_int(first, group)
+                self.restored = [k for k in self.state.shards if k < self.resume_at]
+                for k in self.restored:
+                    _restore_shard(self.state, k, self.writer.read_shard(k))
+                # The first shard this rank writes follows a shard it did not write or read:
+                # the previous rank's last one.
+                shards = self.state.shards
+                self.needs_boundary = shards[0] > 0 and self.resume_at <= shards[0]
+        self.filled = self.resume_at
+        """Global shards 0..filled-1 are in every rank's slice."""
+        self.complete = False
+        """Every shard is in, and every rank holds the final linear-attention state."""
+
+    @contextlib.contextmanager
+    def _closing_on_error(self):
+        try:
+            yield
+        except BaseException:
+            # The caller's error matters, not a follow-up one from the writer's thread.
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
+
+    def _persist(self, local: ShardedPrefixState, shard: int) -> None:
+        if self.writer is not None:
+            if shard == local.shards[0] and self.needs_boundary:
+                _adopt_boundary_shard(self.writer, local, self.manifest_timeout_s)
+            self.writer.write_shard(shard, *_shard_payload(local, shard))
+        self.computed.append(shard)
+        if self.on_shard is not None:
+            self.on_shard(local, shard)
+
+    @property
+    def num_shards(self) -> int:
+        return self.state.num_shards
+
+    def ensure_shard(self, shard: int) -> None:
+        """Make global shards 0..`shard` present on every rank (the wavefront schedule computes
+        every shard at its first call)."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard {shard} is out of range [0, {self.num_shards})")
+        if shard >= self.filled:
+            self._run(self.num_shards if self.schedule == "wavefront" else shard + 1)
+
+    def _run(self, end: int) -> None:
+        """Compute global shards filled..end-1; at the end (even when every shard was restored)
+        the linear-state handoffs are replayed and the final state reaches every rank."""
+        bounds = {} if self.schedule == "wavefront" else {"end_shard": end}
+        with self._closing_on_error():
+            self.state = _SCHEDULES[self.schedule](
+                self.model,
+                self.state.prompt_ids,
+                shard_tokens=self.shard_tokens,
+                group=self.group,
+                on_shard=self._persist,
+                resume=self.state,
+                start_shard=self.filled,
+                **bounds,
+            )
+        self.filled = end
+        self.complete = end == self.num_shards
+
+    def finish(self) -> tuple[ShardedPrefixState, ShardedPrefillOutcome]:
+        """Fill every shard, then commit the state once (rank 0) and close; again: the same."""
+        if self.outcome is not None:
+            return self.state, self.outcome
+        if not self.complete:
+            self._run(self.num_shards)
+        ref = None
+        if self.writer is not None:
+            with self._closing_on_error():
+                if isinstance(self.writer, BackgroundStateWriter):
+                    self.writer.flush()
+                # Every shard is recorded once every rank has flushed its own.
+                dist.barrier(group=self.group)
+                if self.state.rank == 0:
+                    ref = self.writer.commit()
+                dist.barrier(group=self.group)
+                if self.state.rank != 0:
+                    _, ref = read_manifest(state_dir_uri(self.storage, self.key), self.storage)
+            self.close()
+        self.outcome = ShardedPrefillOutcome(
+            ref, self.resume_at, len(self.computed), len(self.restored), int(self.needs_boundary)
+        )
+        return self.state, self.outcome
+
+    def close(self) -> None:
+        """Close the storage writer (the state stays usable)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def discard(self) -> None:
+        """Close the writer and drop the state (a tiered one's hooks and scratch files too)."""
+        self.close()
+        if self.tiered is not None:
+            self.tiered.close()
+            self.tiered = None
+
+
 def persisted_sharded_prefill(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor | Sequence[int],
@@ -182,60 +339,11 @@ def persisted_sharded_prefill(
     at once) records a rank's shards only once the whole wavefront is done, so a crash loses the
     call's work. Both resume from the recorded shards and give the same bits.
     """
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-    run_prefill = _SCHEDULES[schedule]
-    state = allocate_sharded_state(model, prompt_ids, shard_tokens=shard_tokens, group=group)
-    if storage.persist_mode == "off":
-        state = run_prefill(
-            model, state.prompt_ids, shard_tokens=shard_tokens, group=group, on_shard=on_shard
-        )
-        return state, ShardedPrefillOutcome(None, 0, len(state.shards), 0, 0)
-    writer = open_persisting_writer(storage, key, sharded_state_layout(state), resume=True)
+    session = ShardedPrefillSession(
+        model, prompt_ids, shard_tokens=shard_tokens, storage=storage, key=key, group=group,
+        on_shard=on_shard, manifest_timeout_s=manifest_timeout_s, schedule=schedule,
+    )  # fmt: skip
     try:
-        # Rank 0's view decides: ranks listing the directory at slightly different moments
-        # must still agree on where the computation starts.
-        resume_at = _broadcast_int(writer.next_shard() if state.rank == 0 else 0, group)
-        restored = [k for k in state.shards if k < resume_at]
-        for k in restored:
-            _restore_shard(state, k, writer.read_shard(k))
-        # The first shard this rank writes follows a shard it did not write or read: the
-        # previous rank's last one.
-        needs_boundary = state.shards[0] > 0 and resume_at <= state.shards[0]
-        computed = []
-
-        def persist(local: ShardedPrefixState, shard: int) -> None:
-            if shard == local.shards[0] and needs_boundary:
-                _adopt_boundary_shard(writer, local, manifest_timeout_s)
-            writer.write_shard(shard, *_shard_payload(local, shard))
-            computed.append(shard)
-            if on_shard is not None:
-                on_shard(local, shard)
-
-        state = run_prefill(
-            model,
-            state.prompt_ids,
-            shard_tokens=shard_tokens,
-            group=group,
-            on_shard=persist,
-            resume=state,
-            start_shard=resume_at,
-        )
-        if isinstance(writer, BackgroundStateWriter):
-            writer.flush()
-        # Every shard is recorded once every rank has flushed its own.
-        dist.barrier(group=group)
-        if state.rank == 0:
-            ref = writer.commit()
-        dist.barrier(group=group)
-        if state.rank != 0:
-            _, ref = read_manifest(state_dir_uri(storage, key), storage)
-    except BaseException:
-        # The caller's error matters, not a follow-up one from the writer's thread.
-        with contextlib.suppress(Exception):
-            writer.close()
-        raise
-    writer.close()
-    return state, ShardedPrefillOutcome(
-        ref, resume_at, len(computed), len(restored), int(needs_boundary)
-    )
+        return session.finish()
+    finally:
+        session.close()

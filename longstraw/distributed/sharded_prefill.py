@@ -85,11 +85,16 @@ def serve_shard(
         state.indexer_key[mla.indexer_slot(i), :end] if i in mla.indexer_layer_indices else None
         for i in mla.layer_indices
     ]
+
+    def rows(array) -> list | None:
+        # Slot by slot: a tiered array hands out one slot's rows at a time.
+        return None if array is None else [array[i, :end] for i in range(array.shape[0])]
+
     return serve_mla_owner(
-        model, owner, list(state.latent[:, :end]), list(state.rope_key[:, :end]), index,
+        model, owner, rows(state.latent), rows(state.rope_key), index,
         local_start=state.token_start, group=group,
-        grad_latent_TR=None if cotangent is None else list(cotangent.latent[:, :end]),
-        grad_rope_TE=None if cotangent is None else list(cotangent.rope_key[:, :end]),
+        grad_latent_TR=None if cotangent is None else rows(cotangent.latent),
+        grad_rope_TE=None if cotangent is None else rows(cotangent.rope_key),
         on_gradient_slices=on_gradient_slices,
     )  # fmt: skip
 
@@ -172,8 +177,10 @@ def allocate_sharded_state(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> ShardedPrefixState:
-    """This rank's empty slice of the prompt state (what `sharded_prefill` fills)."""
+    """This rank's empty slice of the prompt state (what `sharded_prefill` fills), on `device`
+    (None: the model's; "meta": shapes only, for a tiered slice)."""
     return ShardedPrefixState.allocate(
         state_spec(model),
         prompt_ids=_prompt_tensor(model, prompt_ids),
@@ -181,7 +188,7 @@ def allocate_sharded_state(
         rank=dist.get_rank(group),
         world_size=dist.get_world_size(group),
         dtype=next(model.parameters()).dtype,
-        device=model.device,
+        device=model.device if device is None else device,
     )
 
 
@@ -217,6 +224,7 @@ def sharded_prefill(
     on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
     resume: ShardedPrefixState | None = None,
     start_shard: int = 0,
+    end_shard: int | None = None,
 ) -> ShardedPrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`; call on every rank together.
 
@@ -225,13 +233,22 @@ def sharded_prefill(
     (K/V and the end-of-shard linear checkpoints; shard 0's start state is zero) and the same
     `start_shard` on every rank: earlier shards are not recomputed, only the linear-state
     handoffs at their ownership boundaries are replayed (one constant-size broadcast each).
+    `end_shard` (None: all) stops before that shard, so that a caller can compute the prompt a
+    few shards at a time (`ShardedPrefillSession`); the final linear state reaches every rank
+    once the last shard is done.
     """
     ids = _prompt_tensor(model, prompt_ids)
     state = prefill_target(
         model, ids, shard_tokens=shard_tokens, group=group, resume=resume, start_shard=start_shard
     )
+    stop = state.num_shards if end_shard is None else end_shard
+    if not start_shard <= stop <= state.num_shards:
+        raise ValueError(
+            f"end_shard {end_shard} must lie in [start_shard, num_shards] = "
+            f"[{start_shard}, {state.num_shards}]"
+        )
     with torch.no_grad(), cross_rank_attention_enabled(model):
-        for shard in range(state.num_shards):
+        for shard in range(stop):
             # Also at restored boundaries: the start state of a rank's first shard is the previous
             # owner's end state, which that rank did not restore itself.
             _handoff_linear_state(state, shard, group)
@@ -247,5 +264,6 @@ def sharded_prefill(
                     on_shard(state, shard)
             else:
                 serve_shard(model, state, shard, group=group)
-        broadcast_final_linear_state(state, group)
+        if stop == state.num_shards:
+            broadcast_final_linear_state(state, group)
     return state

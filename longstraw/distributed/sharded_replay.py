@@ -51,8 +51,9 @@ from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
     """fp32 dS for this rank's slice: K/V (or MLA latents and rope keys) of its positions, and
-    the linear state (constant). Indexer keys have none (the indexer runs under no_grad)."""
-    return PromptCotangent.zeros_for(state, *state.final_linear_state_all())
+    the linear state (constant); in the slice's lower tier when it is tiered. Indexer keys have
+    none (the indexer runs under no_grad)."""
+    return PromptCotangent.zeros_like_state(state)
 
 
 class ShardedBranch:

@@ -76,6 +76,9 @@ class ShardedPrefixState:
     """[L, T_r, E] MLA shared rope keys."""
     indexer_key: torch.Tensor | None = None
     """[L_idx, T_r, Di] DSA indexer keys of the layers with their own indexer."""
+    tiers: object | None = None
+    """The `TieredState` whose lower tier holds this slice's per-token arrays
+    (`engine.state_budget_bytes`: each rank streams its own slice), or None: resident."""
 
     @property
     def prompt_len(self) -> int:

@@ -63,9 +63,9 @@ from torch import Tensor
 from transformers import AttentionInterface, PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import (
-    CHUNK_TOKENS,
     COMM,
     CrossRankAttentionLayer,
+    partial_chunk_tokens,
 )
 from longstraw.distributed.cross_rank_mla import (
     CrossRankMlaLayer,
@@ -215,9 +215,11 @@ def wavefront_attention(
     dtype = torch.promote_types(query_BHRD.dtype, torch.float32)
     q_s = (query_BHRD.to(dtype) * float(scale)).contiguous()
     earlier: list[tuple[Tensor, Tensor]] = shard_thread.pause("attention", q_s)
-    own = prefix_partial(q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=CHUNK_TOKENS)
+    own = prefix_partial(
+        q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=partial_chunk_tokens()
+    )
     empty = prefix_partial(
-        q_s, layer.prefix_k_TKD[:0], layer.prefix_v_TKD[:0], chunk_size=CHUNK_TOKENS
+        q_s, layer.prefix_k_TKD[:0], layer.prefix_v_TKD[:0], chunk_size=partial_chunk_tokens()
     )
     world = dist.get_world_size(layer.group)
     parts = [*earlier, own, *[empty] * (world - len(earlier) - 1)]
@@ -612,7 +614,7 @@ class _Step:
                 continue
             slot = plan.full_slot[layer]
             out, lse = prefix_partial(
-                q, state.keys[slot], state.values[slot], chunk_size=CHUNK_TOKENS
+                q, state.keys[slot], state.values[slot], chunk_size=partial_chunk_tokens()
             )
             self._send(
                 torch.cat([out, lse[..., None]], dim=-1).contiguous(), requester, shard, _PARTIAL

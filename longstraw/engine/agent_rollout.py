@@ -16,6 +16,11 @@ its daemon thread (Python cannot stop a thread); its result is ignored.
 
 Branches are decoded one after another rather than as one batch: after the first observation
 the branches differ in length, and the branch cache advances one position counter for all rows.
+
+On the ranks of a sequence group (`exchange` a `CrossRankExchange`, `state` this rank's slice)
+every rank decodes the same turns, as the ranks' rollout does; the environment lives on the
+group's first rank only (a tool call runs once, not once per rank), and each of its answers —
+or its error — is handed to every rank, so all ranks feed the same observations.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.attention import prefix_attention_enabled
-from longstraw.engine.replay import branch_cache, replay_logits
+from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.replay import replay_logits
 from longstraw.engine.rollout import SamplingParams, decode, decode_response
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import check_positions
@@ -158,11 +163,31 @@ def _checked_step(result) -> tuple[str, bool, float | None]:
     return observation, bool(done), reward
 
 
+def _answer(timeout_s: float, fn: Callable, *args) -> tuple[object, str | None]:
+    """(result, None) of `fn(*args)` within `timeout_s`, or (None, what went wrong): an answer
+    every rank can be handed, whatever the environment did."""
+    try:
+        return _call(timeout_s, fn, *args), None
+    except Exception as exc:  # a user environment may raise anything
+        return None, _describe(exc)
+
+
+def _checked_answer(timeout_s: float, environment, text: str):
+    """`environment.step(text)` checked, as (observation, done, reward) or an error."""
+    result, error = _answer(timeout_s, environment.step, text)
+    if error is not None:
+        return None, error
+    try:
+        return _checked_step(result), None
+    except Exception as exc:  # float(reward) / bool(done) of whatever the environment returned
+        return None, _describe(exc)
+
+
 @torch.no_grad()
 def sample_agent_branch(
     model: PreTrainedModel,
     state: PrefixState,
-    environment: Environment,
+    environment: Environment | None,
     metadata: dict,
     framing: TurnFraming,
     limits: TurnLimits,
@@ -170,29 +195,29 @@ def sample_agent_branch(
     *,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    exchange: PrefixExchange = LOCAL,
 ) -> AgentTrajectory:
     """One trajectory: turns decoded from `state` + the branch's own state, the environment's
     observations fed in between. `params` gives temperature / top-p / top-k / min-p
-    (`num_samples` and `max_new_tokens` are set per turn here)."""
+    (`num_samples` and `max_new_tokens` are set per turn here). `environment` is used on the
+    exchange's leader only (None elsewhere)."""
     check_positions(
         state.spec, state.prompt_len + limits.max_branch_tokens, what="prompt + branch budget"
     )
-    cache = branch_cache(
-        state, keep_branch=True, batch_size=1, branch_capacity=limits.max_branch_tokens
-    ).cache
+    cache = exchange.decoding_cache(state, batch_size=1, branch_capacity=limits.max_branch_tokens)
     trajectory = AgentTrajectory()
+    timeout = limits.step_timeout_s
 
     def next_logits(tokens_1N: torch.Tensor) -> torch.Tensor:
-        logits_1V = replay_logits(model, state, tokens_1N, cache)[:, -1]
+        logits_1V = replay_logits(model, state, tokens_1N, cache, exchange)[:, -1]
         cache.position_offset += tokens_1N.shape[1]
         return logits_1V
 
     pending = [state.last_token_id]  # fed before the next turn is decoded
-    with prefix_attention_enabled(model):
-        try:
-            _call(limits.step_timeout_s, environment.reset, metadata)
-        except Exception as exc:  # a user environment may raise anything
-            trajectory.finish_reason, trajectory.error = "error", f"reset: {_describe(exc)}"
+    with exchange.attention_enabled(model):
+        _, error = exchange.on_leader(lambda: _answer(timeout, environment.reset, metadata))
+        if error is not None:
+            trajectory.finish_reason, trajectory.error = "error", f"reset: {error}"
             return trajectory
         for _ in range(limits.max_turns):
             room = limits.max_branch_tokens - len(trajectory.token_ids)
@@ -209,17 +234,20 @@ def sample_agent_branch(
                 stop_token_ids=tuple(framing.turn_stop_ids) + tuple(params.stop_token_ids),
             )
             first = torch.tensor([pending], dtype=torch.long, device=model.device)
-            (turn,) = decode(next_logits, first, turn_params, generator=generator)
+            (turn,) = decode(
+                next_logits, first, turn_params, generator=generator,
+                after_draw=exchange.check_draws,
+            )  # fmt: skip
             trajectory.extend(turn.token_ids, sampled=turn.logprobs)
             text = decode_response(tokenizer, turn.token_ids) if tokenizer is not None else ""
             trajectory.turns.append(text)
-            try:
-                observation, done, reward = _checked_step(
-                    _call(limits.step_timeout_s, environment.step, text)
-                )
-            except Exception as exc:
-                trajectory.finish_reason, trajectory.error = "error", f"step: {_describe(exc)}"
+            answer, error = exchange.on_leader(
+                lambda text=text: _checked_answer(timeout, environment, text)
+            )
+            if error is not None:
+                trajectory.finish_reason, trajectory.error = "error", f"step: {error}"
                 break
+            observation, done, reward = answer
             if reward is not None:
                 trajectory.reward = reward
             if done:
@@ -244,6 +272,27 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _made_on_leader(make_environment: Callable[[], Environment], exchange: PrefixExchange):
+    """A fresh environment on the exchange's leader (None elsewhere). A constructor that raises
+    fails every rank: the leader with its exception, the others naming it."""
+    made: dict = {}
+
+    def make() -> str | None:
+        try:
+            made["environment"] = make_environment()
+        except Exception as exc:
+            made["error"] = exc
+            return _describe(exc)
+        return None
+
+    error = exchange.on_leader(make)
+    if "error" in made:
+        raise made["error"]
+    if error is not None:
+        raise RuntimeError(f"the environment could not be made on the first rank: {error}")
+    return made.get("environment")
+
+
 def sample_agent_group(
     model: PreTrainedModel,
     state: PrefixState,
@@ -255,19 +304,22 @@ def sample_agent_group(
     *,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    exchange: PrefixExchange = LOCAL,
 ) -> list[AgentTrajectory]:
-    """`params.num_samples` trajectories, each with a fresh environment from `make_environment`."""
+    """`params.num_samples` trajectories, each with a fresh environment from `make_environment`
+    (made on the exchange's leader only)."""
     return [
         sample_agent_branch(
             model,
             state,
-            make_environment(),
+            _made_on_leader(make_environment, exchange),
             metadata,
             framing,
             limits,
             params,
             generator=generator,
             tokenizer=tokenizer,
+            exchange=exchange,
         )
         for _ in range(params.num_samples)
     ]

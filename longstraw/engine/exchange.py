@@ -13,7 +13,11 @@ responses as a prefix tree of their shared turns — is written once, in `engine
 - `segment_kind_kwargs`: each layer kind's cache-layer class for a long branch's segments and
   the arguments only that placement has (its process group), for `layer_kinds.segment_layers`;
 - `replay_branch`: one whole response's log-probs and the hand-back of its forked
-  linear-attention state's gradient.
+  linear-attention state's gradient;
+- `decoding_cache` and `check_draws`: the cache a sampler decodes on (rows keep their own K/V)
+  and the check, after every draw, that all ranks drew the same tokens;
+- `on_leader`: a call with side effects (a user's environment) made once, on the group's first
+  rank, and its result handed to every rank.
 
 `LOCAL` is world size 1; `longstraw.distributed.exchange.CrossRankExchange(group)` is the ranks'
 (replicated: every rank runs the same branch). The caller that knows the state's placement picks
@@ -64,6 +68,29 @@ class PrefixExchange:
                 branch.add_leaf_grads_into(cotangent, state)
 
         return logp, hand_back
+
+    def decoding_cache(self, state, *, batch_size: int, branch_capacity: int):
+        """A `StateCache` of `batch_size` rows whose attention layers keep the rows' own K/V
+        between forwards (buffers for `branch_capacity` tokens where the layers take one)."""
+        from longstraw.engine.replay import branch_cache
+
+        return branch_cache(
+            state, keep_branch=True, batch_size=batch_size, branch_capacity=branch_capacity
+        ).cache
+
+    def check_draws(self, choice_G1: torch.Tensor, step: int) -> None:
+        """Called with every decode step's draws [G, 1] before they are used."""
+        del choice_G1, step
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process makes the calls `on_leader` runs."""
+        return True
+
+    def on_leader(self, call: Callable[[], object]) -> object:
+        """`call()` made once (here), its result returned; `call` must not raise (return the
+        error instead) so that every rank goes on the same way."""
+        return call()
 
 
 LOCAL = PrefixExchange()

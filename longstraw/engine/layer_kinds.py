@@ -540,6 +540,8 @@ class Mla(LayerKind):
         branch_cotangent,
         leaves,
         on_update,
+        layer_class=SegmentMlaLayer,
+        **kwargs,
     ):
         a, _ = branch.bounds[k]
         mla = prompt.spec.mla
@@ -550,7 +552,7 @@ class Mla(LayerKind):
             rope = rope.detach().requires_grad_(True)
             leaves[slot] = (latent, rope)
         index = None if index_slot is None else branch.indexer_key[index_slot, :a]
-        return SegmentMlaLayer(
+        return layer_class(
             prompt.latent[slot],
             prompt.rope_key[slot],
             None if index_slot is None else prompt.indexer_key[index_slot],
@@ -558,6 +560,7 @@ class Mla(LayerKind):
             grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
             **self.output_hooks(prompt.spec, slot, on_update),
             earlier=(latent, rope, index),
+            **kwargs,
         )
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.attention import prefix_attention_enabled
-from longstraw.engine.replay import branch_cache, replay_logits
+from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.replay import replay_logits
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import check_positions
 
@@ -165,25 +165,34 @@ def sample_responses(
     *,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    exchange: PrefixExchange = LOCAL,
 ) -> list[Response]:
-    """Sample `params.num_samples` responses from `state` in one batch."""
+    """Sample `params.num_samples` responses from `state` in one batch, its layers reading the
+    prompt prefix as `exchange` says. On the ranks of a sequence group (`state` this rank's
+    slice) call it on every rank with the same `params` and an identically seeded `generator`:
+    every rank draws, and returns, the same responses."""
     check_positions(
         state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
     )
     rows = params.num_samples
-    cache = branch_cache(
-        state, keep_branch=True, batch_size=rows, branch_capacity=params.max_new_tokens
-    ).cache
+    cache = exchange.decoding_cache(state, batch_size=rows, branch_capacity=params.max_new_tokens)
 
     def next_logits(tokens_G1: torch.Tensor) -> torch.Tensor:
-        logits_GV = replay_logits(model, state, tokens_G1, cache)[:, -1]
+        logits_GV = replay_logits(model, state, tokens_G1, cache, exchange)[:, -1]
         cache.position_offset += 1
         return logits_GV
 
     first_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
     # Installed once for the whole loop (each step's `replay_logits` then finds it in place).
-    with prefix_attention_enabled(model):
-        return decode(next_logits, first_G1, params, generator=generator, tokenizer=tokenizer)
+    with exchange.attention_enabled(model):
+        return decode(
+            next_logits,
+            first_G1,
+            params,
+            generator=generator,
+            tokenizer=tokenizer,
+            after_draw=exchange.check_draws,
+        )
 
 
 @torch.no_grad()

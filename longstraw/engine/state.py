@@ -33,6 +33,13 @@ def stored_slice(array, slot: int, start: int, end: int) -> torch.Tensor:
     return array[slot, start:end]
 
 
+def token_rows(array, start: int, end: int) -> torch.Tensor:
+    """[L, end - start, *X] of a per-token array, resident or tiered (read slot by slot)."""
+    if hasattr(array, "read"):
+        return torch.stack([array.read(slot, start, end) for slot in range(array.shape[0])])
+    return array[:, start:end]
+
+
 def shard_bounds(num_tokens: int, shard_tokens: int) -> tuple[tuple[int, int], ...]:
     """[start, end) of each prefill shard over `num_tokens` positions; the last may be shorter."""
     if shard_tokens < 1:

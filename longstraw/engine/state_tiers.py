@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import tempfile
 import threading
@@ -43,11 +44,34 @@ from transformers import PreTrainedModel
 from longstraw.engine.attention import prefix_chunk_tokens
 from longstraw.engine.layer_kinds import TOKEN_ARRAYS, array_layer_indices
 from longstraw.engine.state import PrefixState
-from longstraw.models.adapters import decoder_of
+from longstraw.models.adapters import decoder_of, state_spec
 from longstraw.schemas.results import StateTraffic
 
 # PrefixState fields that grow with the prompt, and whether exact mode keeps a cotangent of them.
 STREAMED_FIELDS = {a.field: a.has_cotangent for a in TOKEN_ARRAYS}
+
+
+@dataclass(frozen=True)
+class StateBudget:
+    """Where a budgeted prompt state lives (the run config's `engine.state_budget_bytes`,
+    `state_tier`, `state_dir`; `exact`: keep the fp32 cotangent in the lower tier too)."""
+
+    budget_bytes: int
+    lower: str = "host"
+    directory: str | None = None
+    exact: bool = True
+
+    @classmethod
+    def of(cls, engine) -> StateBudget | None:
+        """The budget of an `EngineConfig` (None: the state stays resident)."""
+        if engine.state_budget_bytes is None:
+            return None
+        return cls(
+            engine.state_budget_bytes,
+            engine.state_tier,
+            engine.state_dir,
+            exact=engine.prompt_grad == "exact",
+        )
 
 
 class HostTier:
@@ -61,6 +85,9 @@ class HostTier:
 
     def write_from(self, slot: int, start: int, src: torch.Tensor) -> None:
         self.tensor[slot, start : start + src.shape[0]].copy_(src)
+
+    def zero(self) -> None:
+        self.tensor.zero_()
 
     def close(self) -> None:
         self.tensor = None
@@ -88,6 +115,11 @@ class FileTier:
         self.fd = fd
         # A sparse file reads back as zeros: the initial value of a cotangent.
         os.ftruncate(fd, shape[0] * shape[1] * self.row_bytes)
+
+    def zero(self) -> None:
+        """Every byte zero again (the file emptied and regrown sparse)."""
+        os.ftruncate(self.fd, 0)
+        os.ftruncate(self.fd, self.shape[0] * self.shape[1] * self.row_bytes)
 
     def _offset(self, slot: int, start: int) -> int:
         return (slot * self.shape[1] + start) * self.row_bytes
@@ -212,6 +244,19 @@ class TieredArray:
             return self.store.whole(self, slot)[:end]
         return StreamedRows(self, slot, end)
 
+    def __setitem__(self, key, value: torch.Tensor) -> None:
+        """`array[slot, start:stop] = rows`: a prefill writing its shard's rows (a state array;
+        a cotangent is added into chunk by chunk through `StreamedRows` instead)."""
+        slot, rows = key
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise IndexError(f"{self.name}: rows are written as [slot, start:stop]")
+        start, stop, _ = rows.indices(self.shape[1])
+        if stop - start != value.shape[0]:
+            raise ValueError(
+                f"{self.name}: {value.shape[0]} rows given for positions [{start}, {stop})"
+            )
+        self.store.write_rows(self, int(slot), start, value)
+
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
         """[end - start, *X] copy of the slice (pending writes flushed first)."""
         if self.store.layer_of[(self.name, slot)] in self.store.permanent:
@@ -256,7 +301,7 @@ class TieredStore:
     bytes_read: int = 0
     """Read from the lower tier into device buffers."""
     bytes_written: int = 0
-    """Written back to the lower tier (cotangents)."""
+    """Written to the lower tier: a prefill's rows, cotangents written back."""
     prefetches: int = 0
     """Chunks read on the background thread ahead of their use."""
 
@@ -387,6 +432,42 @@ class TieredStore:
             lo = hi
         return out
 
+    def write_rows(self, array: TieredArray, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Store rows [start, start + len) of `array[slot]` in the lower tier; a resident copy of
+        them (a permanent layer's buffer) is updated, a streamed chunk holding them is dropped
+        (read again when next asked for)."""
+        if array.writable:
+            raise ValueError(f"{array.name}: a cotangent is added into, not written")
+        end = start + rows.shape[0]
+        whole = self._whole.get((array.name, slot))
+        if whole is not None:
+            whole[start:end].copy_(rows)
+        for key in self._keys():
+            if key[:2] == (array.name, slot):
+                first, last = self._chunk_rows(array, key[2])
+                if first < end and start < last:
+                    self._evict(key, write_back=False)
+        array.tier.write_from(slot, start, rows)
+        self._count(0, written=rows.numel() * rows.element_size())
+
+    def start_counting(self) -> None:
+        """Count peak and traffic from here (a stage of a state tiered since its prefill)."""
+        with self._lock:
+            self.peak_resident_bytes = self.resident_bytes
+            self.bytes_read = self.bytes_written = 0
+
+    def reset_cotangents(self) -> None:
+        """Every cotangent array zero again (a new backward starts)."""
+        for name, array in self.arrays.items():
+            if not array.writable:
+                continue
+            for key in [k for k in self._keys() if k[0] == name]:
+                self._evict(key, write_back=False)
+            for (whole_name, _), tensor in self._whole.items():
+                if whole_name == name:
+                    tensor.zero_()
+            array.tier.zero()
+
     def flush_slot(self, array: TieredArray, slot: int) -> None:
         """Write back what the backward added into `array[slot]` and is still on the device."""
         for key in [k for k in self._keys() if k[:2] == (array.name, slot)]:
@@ -475,9 +556,11 @@ class TieredState:
         self.store = store
 
     def cotangent(self):
-        """A zero `PromptCotangent` whose per-token parts live in the lower tier too."""
+        """A zero `PromptCotangent` whose per-token parts live in the lower tier too (the same
+        arrays each call, zeroed again: one backward at a time reads a tiered state)."""
         from longstraw.engine.replay import PromptCotangent
 
+        self.store.reset_cotangents()
         streamed = [name for name, has_cotangent in STREAMED_FIELDS.items() if has_cotangent]
         plain = replace(self.state, tiers=None, **dict.fromkeys(streamed))
         dense = PromptCotangent.zeros_like_state(plain)
@@ -530,6 +613,51 @@ def tier_state(
         directory=directory,
         exact=exact,
         chunk_tokens=chunk_tokens,
+    )
+
+
+def allocate_tiered_state(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, shard_tokens: int, budget: StateBudget
+) -> TieredState:
+    """An empty prompt state whose per-token arrays live in `budget`'s lower tier from the
+    start, so that a prefill writes each shard's rows straight there (`TieredArray.__setitem__`)
+    and the whole state is never resident; the linear-attention checkpoints are allocated on
+    the device as usual."""
+    shapes = PrefixState.allocate(
+        state_spec(model),
+        prompt_ids=prompt_ids,
+        shard_tokens=shard_tokens,
+        dtype=next(model.parameters()).dtype,
+        device="meta",
+    )
+    return tiered_like(model, shapes, budget)
+
+
+def tiered_like(model: PreTrainedModel, shapes, budget: StateBudget) -> TieredState:
+    """A tiered, zero state shaped like `shapes` (a whole state or a rank's slice allocated on
+    the meta device): its per-token arrays new lower tiers, every other array zeros on the
+    model's device."""
+    device = next(iter(model.parameters())).device
+    sources, resident = {}, {}
+    for item in dataclasses.fields(shapes):
+        meta = getattr(shapes, item.name)
+        if not isinstance(meta, torch.Tensor) or meta.device.type != "meta":
+            continue
+        shape = tuple(meta.shape)
+        if item.name in STREAMED_FIELDS:
+            tier = _lower_tier(budget.lower, shape, meta.dtype, budget.directory)
+            sources[item.name] = (tier, shape, meta.dtype)
+        else:
+            resident[item.name] = torch.zeros(shape, dtype=meta.dtype, device=device)
+    base = replace(shapes, **dict.fromkeys(sources), **resident)
+    return tiered_from_sources(
+        model,
+        base,
+        sources,
+        budget_bytes=budget.budget_bytes,
+        lower=budget.lower,
+        directory=budget.directory,
+        exact=budget.exact,
     )
 
 
@@ -601,8 +729,13 @@ def tiered_for_group(
     directory: str | None,
     exact: bool,
 ) -> Iterator[PrefixState]:
-    """`state` itself (no budget, or already tiered), or a tiered copy for the block's length."""
-    if budget_bytes is None or state.tiers is not None:
+    """`state` itself (no budget, or already tiered: its figures then count from here), or a
+    tiered copy for the block's length."""
+    if state.tiers is not None:
+        state.tiers.store.start_counting()
+        yield state
+        return
+    if budget_bytes is None:
         yield state
         return
     with tier_state(

@@ -45,8 +45,6 @@ def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetr
 
     with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
         policy, metrics = run_step(config, policy, prefect_stages(on_prefill_shard))
-    if config.parallel.world_size > 1:
-        update_progress_artifact(progress, 100.0)
     row = metrics.model_dump(mode="json", exclude={"seconds"}) | {
         f"seconds_{k}": v for k, v in metrics.seconds.items()
     }

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longstraw.ops.partial_attention import merge_partial_attention
-from longstraw.ops.prefix_attention import _prefix_partial, flash_prefix_partial
+from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
+from longstraw.ops.prefix_attention import _prefix_partial
 
 # Prefix keys per chunk (default): [K, M, 4096] fp32 scores at most on the fallback path.
 _PREFIX_CHUNK = 4096

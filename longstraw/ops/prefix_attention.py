@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from longstraw.ops.partial_attention import merge_partial_attention
+from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
 
 # --------------------------------------------------------------------------------------------
 # Forward pieces. One query chunk arrives pre-scaled (q * scale, so scores need no extra pass)
@@ -183,27 +183,6 @@ def _flash_forward(
             continue
         out_p, lse_p = flash_prefix_partial(q_BHRD, k_prefix_TKD, v_prefix_TKD, scale, chunk_size)
         out, lse = merge_partial_attention(out_p, lse_p, out, lse)
-    return out, lse
-
-
-def flash_prefix_partial(
-    q_BXRD: Tensor, k_prefix_TKD, v_prefix_TKD, scale: float, chunk_size: int
-) -> tuple[Tensor, Tensor]:
-    """(out [B, X, R, V] fp32, lse [B, X, R] fp32) of queries over all T > 0 prefix keys: one
-    CPU flash call per `chunk_size` keys, merged first to last. The prefix is anything that
-    slices into [C, K, D] tensors (a tensor, or a streamed state's rows)."""
-    batch = q_BXRD.shape[0]
-    out = lse = None
-    for start in range(0, k_prefix_TKD.shape[0], chunk_size):
-        k_p = k_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
-        v_p = v_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
-        k_p, v_p = k_p.expand(batch, -1, -1, -1), v_p.expand(batch, -1, -1, -1)
-        out_c, lse_c = _CPU_FLASH(q_BXRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
-        out_c, lse_c = out_c.float(), lse_c.float()
-        if out is None:
-            out, lse = out_c, lse_c
-        else:
-            out, lse = merge_partial_attention(out, lse, out_c, lse_c)
     return out, lse
 
 

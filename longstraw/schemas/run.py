@@ -61,8 +61,7 @@ class EngineConfig(_Section):
     autograd graph at a time, on top of the prompt state and the response's own earlier
     segments (gradients unchanged; about one extra forward of the response). None: every
     response is one graph. On several ranks every rank replays the segments together, each
-    reading its part of the prompt (not yet for GLM-5's MLA layers: refused when the backward
-    starts)."""
+    reading its part of the prompt."""
     share_response_prefixes: bool = False
     """Responses of a group that start with the same tokens (common first turns of agent
     trajectories) run that shared part once, as a prefix tree (gradients unchanged), on one
@@ -75,7 +74,8 @@ class EngineConfig(_Section):
     the resident run; peak is at most max(budget, one chunk unit) + one prefetched chunk unit,
     a chunk unit being 1024 positions of every streamed array of one layer (so 0 works). In
     `longstraw train` it applies to rollout, scoring and the backward stage; the step metrics
-    report the peak and the bytes moved. Single process only (parallel.world_size = 1)."""
+    report the peak and the bytes moved. On several ranks it is per rank: each streams its own
+    slice of the state (and of its cotangent); the metrics report the busiest rank's figures."""
     state_tier: Literal["host", "disk"] = "host"
     """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
     state_dir: str | None = None
@@ -219,26 +219,11 @@ class RunConfig(_Section):
     def _agent_fits(self) -> RunConfig:
         if self.agent is None:
             return self
-        if self.parallel.world_size > 1:
-            raise ValueError(
-                "agent is set but parallel.world_size > 1: multi-turn rollout runs in a single "
-                "process; remove agent or set parallel.world_size: 1"
-            )
         if getattr(self.data, "responses_path", None) is not None:
             raise ValueError(
                 "agent and data.responses_path are both set: either sample trajectories with "
                 "the environment or train on imported responses, not both"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _state_budget_needs_one_rank(self) -> RunConfig:
-        for name, on in (("state_budget_bytes", self.engine.state_budget_bytes is not None),):
-            if on and self.parallel.world_size > 1:
-                raise ValueError(
-                    f"engine.{name} is set but parallel.world_size > 1: it runs in a single "
-                    f"process; remove engine.{name} or set parallel.world_size: 1"
-                )
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ from longstraw.data.environments import environment_factory
 from longstraw.data.trajectory import ChatFraming
 from longstraw.engine.agent_rollout import AgentTrajectory, TurnLimits, sample_agent_group
 from longstraw.grpo.rewards import score_group as score_rewards
+from longstraw.training import held
 
 # Prompts longer than this are not handed to the environment as text (a 2M-token prompt is
 # ~8 MB of text per trajectory); environments fall back on the task metadata.
@@ -40,6 +41,7 @@ def sample_trajectories(ctx, state, example, params, generator) -> list[AgentTra
         params,
         generator=generator,
         tokenizer=ctx.tokenizer,
+        exchange=held.prefix_exchange(),
     )
 
 

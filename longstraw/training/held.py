@@ -17,6 +17,8 @@ import threading
 import torch
 
 from longstraw.distributed.stage_group import active_group
+from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.state_tiers import StateBudget
 from longstraw.schemas.refs import PolicyRef, PromptRef
 from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import StateKey
@@ -27,7 +29,7 @@ from longstraw.training.prompts import PromptExample
 _lock = threading.RLock()
 _policies: dict[str, RunContext] = {}
 _sessions: dict[tuple, PrefillSession] = {}
-_sharded_states: dict[tuple, tuple[object, object]] = {}
+_sharded_sessions: dict[tuple, object] = {}
 
 
 def policy(config: RunConfig, ref: PolicyRef) -> RunContext:
@@ -52,18 +54,18 @@ def forget_run(run_id: str) -> None:
     with _lock:
         _policies.pop(run_id, None)
         for key in [k for k in _sessions if k[0] == run_id]:
-            _sessions.pop(key).close()
-        for key in [k for k in _sharded_states if k[0] == run_id]:
-            _sharded_states.pop(key)
+            _sessions.pop(key).discard()
+        for key in [k for k in _sharded_sessions if k[0] == run_id]:
+            _sharded_sessions.pop(key).discard()
 
 
 def drop_states_before(run_id: str, policy_version: int) -> None:
     """Free prompt states of older policy versions (invalid for the new weights)."""
     with _lock:
         for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
-            _sessions.pop(key).close()
-        for key in [k for k in _sharded_states if k[0] == run_id and k[1] < policy_version]:
-            _sharded_states.pop(key)
+            _sessions.pop(key).discard()
+        for key in [k for k in _sharded_sessions if k[0] == run_id and k[1] < policy_version]:
+            _sharded_sessions.pop(key).discard()
 
 
 def state_key(ctx: RunContext, example: PromptExample) -> StateKey:
@@ -101,30 +103,49 @@ def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
                 shard_tokens=ctx.config.engine.shard_tokens,
                 storage=ctx.config.storage,
                 key=state_key(ctx, example),
+                budget=StateBudget.of(ctx.config.engine),
             )
             _sessions[key] = found
         return found
 
 
-def sharded_state(ctx: RunContext, example: PromptExample):
-    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
-    computed, resumed or read back by every rank together."""
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+def sharded_session(ctx: RunContext, example: PromptExample):
+    """This rank's `ShardedPrefillSession` of `example` at the run's current version (every
+    rank of the stage group holds its own and calls it together)."""
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
 
     key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
     with _lock:
-        found = _sharded_states.get(key)
+        found = _sharded_sessions.get(key)
         if found is None:
-            found = persisted_sharded_prefill(
+            found = ShardedPrefillSession(
                 ctx.model,
                 example.prompt_ids,
                 shard_tokens=ctx.config.engine.shard_tokens,
                 storage=ctx.config.storage,
                 key=state_key(ctx, example),
                 schedule=ctx.config.parallel.schedule,
+                budget=StateBudget.of(ctx.config.engine),
             )
-            _sharded_states[key] = found
+            _sharded_sessions[key] = found
         return found
+
+
+def sharded_state(ctx: RunContext, example: PromptExample):
+    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
+    computed, resumed or read back by every rank together."""
+    return sharded_session(ctx, example).finish()
+
+
+def prefix_exchange() -> PrefixExchange:
+    """How this process's stages read the prompt prefix: all of it here (one process), or
+    across the sequence group of the stage group this process is a rank of."""
+    group = active_group()
+    if group is None:
+        return LOCAL
+    from longstraw.distributed.exchange import CrossRankExchange
+
+    return CrossRankExchange(control=group.control)
 
 
 def prompt_state(ctx: RunContext, example: PromptExample):

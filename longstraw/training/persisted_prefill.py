@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.prefill import prefill
-from longstraw.engine.state import PrefixState
+from longstraw.engine.state import PrefixState, token_rows
+from longstraw.engine.state_tiers import StateBudget, allocate_tiered_state
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.storage import (
     ArraySpec,
@@ -57,7 +58,11 @@ def state_layout(state: PrefixState) -> StateLayout:
 
 
 class PrefillSession:
-    """One prompt's prefill for one key, computed or recovered shard by shard."""
+    """One prompt's prefill for one key, computed or recovered shard by shard.
+
+    With `budget`, the state is tiered from the start (`engine.state_tiers`): each shard's rows
+    go straight to the lower tier, a committed state streams from its Zarr chunks, and the
+    process never holds the whole per-token state."""
 
     def __init__(
         self,
@@ -67,8 +72,11 @@ class PrefillSession:
         shard_tokens: int,
         storage: StorageConfig,
         key: StateKey,
+        budget: StateBudget | None = None,
     ):
         self.model = model
+        self.budget = budget
+        self.tiered = None
         self.ids = prompt_ids.to(torch.long).cpu()
         self.shard_tokens = shard_tokens
         self.storage = storage
@@ -80,7 +88,9 @@ class PrefillSession:
         self.writer = None
         spec = state_spec(model)
         persist = storage.persist_mode != "off" and self.ids.numel() >= 2
-        committed = self._committed() if persist else None
+        if persist and budget is not None and self._stream_committed():
+            return
+        committed = self._committed() if persist and budget is None else None
         if committed is not None:
             tensors = {name: t.to(model.device) for name, t in committed.tensors.items()}
             self.state = PrefixState.from_tensors(
@@ -90,16 +100,49 @@ class PrefillSession:
             self.shards_reused = self.state.num_shards
             self.filled = self.state.num_shards
             return
-        dtype = next(model.parameters()).dtype
-        self.state = PrefixState.allocate(
-            spec, prompt_ids=self.ids, shard_tokens=shard_tokens, dtype=dtype, device=model.device
-        )
+        if budget is None:
+            dtype = next(model.parameters()).dtype
+            self.state = PrefixState.allocate(
+                spec,
+                prompt_ids=self.ids,
+                shard_tokens=shard_tokens,
+                dtype=dtype,
+                device=model.device,
+            )
+        else:
+            self.tiered = allocate_tiered_state(model, self.ids, shard_tokens, budget)
+            self.state = self.tiered.state
         self.filled = 0
         """Shards 0..filled-1 are in `state`."""
         if persist:
             self.writer = open_persisting_writer(
                 storage, key, state_layout(self.state), resume=True
             )
+
+    def _stream_committed(self) -> bool:
+        """With a budget: stream a committed state from its Zarr chunks (True), if there is one."""
+        from longstraw.storage.streamed_state import open_streamed_state
+        from longstraw.training.streamed_state import tier_committed_state
+
+        policy_version = self.key.policy_version if self.key.kind == "policy" else None
+        try:
+            streamed = open_streamed_state(
+                state_dir_uri(self.storage, self.key),
+                expect_weights_digest=self.key.weights_digest,
+                expect_policy_version=policy_version,
+                config=self.storage,
+            )
+        except StateNotCommittedError:
+            return False
+        budget = self.budget
+        self.tiered = tier_committed_state(
+            self.model, streamed, self.ids, budget_bytes=budget.budget_bytes,
+            lower=budget.lower, directory=budget.directory, exact=budget.exact,
+        )  # fmt: skip
+        self.state = self.tiered.state
+        self.ref, self.reused_committed = streamed.ref, True
+        self.shards_reused = self.filled = self.state.num_shards
+        return True
 
     def _committed(self):
         policy_version = self.key.policy_version if self.key.kind == "policy" else None
@@ -144,8 +187,11 @@ class PrefillSession:
         if self.num_shards:
             self.ensure_shard(self.num_shards - 1)
         if self.writer is not None:
+            # A resident state seeds the in-process cache of committed states; a tiered one is
+            # read back from storage when asked for again.
+            tensors = None if self.tiered is not None else self.state.tensors()
             try:
-                self.ref = self.writer.commit(tensors=self.state.tensors())
+                self.ref = self.writer.commit(tensors=tensors)
             finally:
                 self.close()
         return self.state, PrefillOutcome(
@@ -153,9 +199,17 @@ class PrefillSession:
         )
 
     def close(self) -> None:
+        """Close the storage writer (the state stays usable)."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def discard(self) -> None:
+        """Close the writer and drop the state (a tiered one's hooks and scratch files too)."""
+        self.close()
+        if self.tiered is not None:
+            self.tiered.close()
+            self.tiered = None
 
 
 def persisted_prefill(
@@ -182,7 +236,7 @@ def _shard_payload(state: PrefixState, shard: int):
             ends[name] = tensor[:, shard + 1]
             initial[name] = tensor[:, 0]
         else:
-            tokens[name] = tensor[:, start:end]
+            tokens[name] = token_rows(tensor, start, end)
     return tokens, ends, (initial if shard == 0 else None)
 
 
@@ -190,7 +244,9 @@ def _fill_shard(state: PrefixState, shard: int, data) -> None:
     start, end = state.bounds[shard]
     tensors = state.tensors()
     for name, piece in data.token_slices.items():
-        tensors[name][:, start:end] = piece.to(tensors[name].device)
+        target = tensors[name]
+        for slot in range(target.shape[0]):
+            target[slot, start:end] = piece[slot].to(target.device)
     for name, piece in data.checkpoints.items():
         tensors[name][:, shard + 1] = piece.to(tensors[name].device)
     for name, piece in (data.initial_checkpoints or {}).items():

@@ -40,7 +40,6 @@ def preflight(config: RunConfig, resume: bool) -> None:
     check_reward_weights(config)
     check_environment(config)
     check_world_size(config)
-    check_sharded_branches(config)
     check_backend(config)
     check_storage_writable(config)
     lengths = check_prompts(config)
@@ -154,21 +153,6 @@ def check_world_size(config: RunConfig) -> None:
             f"parallel.world_size {config.parallel.world_size} is more than the {shards} prefill "
             f"shards of a {tokens}-token prompt (engine.shard_tokens {config.engine.shard_tokens}) "
             "— lower parallel.world_size or engine.shard_tokens"
-        )
-
-
-def check_sharded_branches(config: RunConfig) -> None:
-    """Segments and shared prefixes run on the ranks for every family but GLM-5's MLA layers."""
-    engine = config.engine
-    wanted = engine.branch_segment_tokens is not None or engine.share_response_prefixes
-    if config.parallel.world_size == 1 or not wanted or config.model.checkpoint is None:
-        return
-    raw = json.loads((Path(config.model.checkpoint).expanduser() / "config.json").read_text())
-    if raw.get("model_type") == "glm_moe_dsa":
-        raise UserError(
-            "engine.branch_segment_tokens / engine.share_response_prefixes do not run over a "
-            "sequence-sharded GLM-5 (MLA) prompt state yet — unset them or set "
-            "parallel.world_size: 1"
         )
 
 

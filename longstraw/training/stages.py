@@ -27,9 +27,9 @@ import torch.distributed as dist
 from longstraw.data.rewards import register_haystack_rewards
 from longstraw.distributed.stage_group import active_group, is_writer, on_all_ranks
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
-from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
+from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
-from longstraw.engine.state_tiers import state_traffic
+from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
@@ -46,7 +46,7 @@ from longstraw.schemas.refs import (
     ShardRef,
     UpdateResult,
 )
-from longstraw.schemas.results import AdvantagePlan, GroupStats, StepMetrics
+from longstraw.schemas.results import AdvantagePlan, GroupStats, StateTraffic, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage import artifacts
 from longstraw.storage.checkpoints import (
@@ -96,30 +96,38 @@ def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
     return prompts
 
 
+@on_all_ranks
 def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard: int) -> ShardRef:
     """Make shards 0..`shard` of the prompt's state present (computed, or read back from the
-    shard manifests an earlier attempt recorded) and persisted. Single-process runs only: ranks
-    prefill a prompt together in `prefill_prompt`."""
-    if config.parallel.world_size > 1:
-        raise ValueError(
-            "prefill_shard is the single-process stage; with parallel.world_size > 1 the ranks "
-            "prefill the prompt together in prefill_prompt"
-        )
+    shard manifests an earlier attempt recorded) and persisted: on one process, or by the ranks
+    together (each computes and records the shards it owns)."""
     if not 0 <= shard < prompt.num_shards:
         raise ValueError(
             f"shard {shard} is out of range: prompt {prompt.prompt_id} has {prompt.num_shards} "
             "shards (plan_step gives the count)"
         )
     ctx = held.policy(config, policy)
-    session = held.session(ctx, held.check_prompt(ctx, prompt))
-    before = session.shards_computed
-    session.ensure_shard(shard)
+    example = held.check_prompt(ctx, prompt)
+    if active_group() is None:
+        session = held.session(ctx, example)
+        before = session.shards_computed
+        session.ensure_shard(shard)
+        computed = session.shards_computed > before
+    else:
+        ctx.gather_weights()
+        session = held.sharded_session(ctx, example)
+        before = len(session.computed)
+        session.ensure_shard(shard)
+        # Whether any rank computed a shard in this call (its owner did, or nobody).
+        flag = torch.tensor([int(len(session.computed) > before)])
+        dist.all_reduce(flag)
+        computed = bool(flag.item())
     return ShardRef(
         prompt_digest=prompt.prompt_digest,
         shard=shard,
         policy_version=prompt.policy_version,
         weights_digest=prompt.weights_digest,
-        computed=session.shards_computed > before,
+        computed=computed,
     )
 
 
@@ -162,30 +170,30 @@ def sampling_params(ctx) -> SamplingParams:
 
 
 def _sample(ctx, state, generator):
-    if active_group() is None:
-        return sample_responses(
-            ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
-        )
-    from longstraw.distributed.sharded_rollout import sharded_sample_responses
-
-    return sharded_sample_responses(
-        ctx.model, state, sampling_params(ctx), generator=generator, tokenizer=ctx.tokenizer
+    return sample_responses(
+        ctx.model,
+        state,
+        sampling_params(ctx),
+        generator=generator,
+        tokenizer=ctx.tokenizer,
+        exchange=held.prefix_exchange(),
     )
 
 
+@torch.no_grad()
 def score_logprobs(model, state, responses, *, temperature: float) -> list[torch.Tensor]:
     """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
-    if active_group() is None:
-        return score_responses(model, state, responses, temperature=temperature)
-    from longstraw.distributed.sharded_replay import sharded_branch_logprobs
-
-    with torch.no_grad():
-        return [
-            sharded_branch_logprobs(
-                model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature
-            )[0]
-            for r in responses
-        ]
+    exchange = held.prefix_exchange()
+    return [
+        exchange.replay_branch(
+            model,
+            state,
+            torch.as_tensor(r, dtype=torch.long),
+            temperature=temperature,
+            cotangent=None,
+        )[0]
+        for r in responses
+    ]
 
 
 @on_all_ranks
@@ -461,26 +469,40 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
     from longstraw.distributed.sharded_group import sharded_group_slice_replay
     from longstraw.engine.group import group_stats, peak_rss_bytes
 
-    config = ctx.config
-    slices, replay = sharded_group_slice_replay(
+    config, engine = ctx.config, ctx.config.engine
+    # Under engine.state_budget_bytes each rank streams its own slice (and its slice of dS).
+    with tiered_for_group(
         ctx.model,
         state,
-        [torch.tensor(r) for r in record.response_ids],
-        advantages,
-        config.grpo,
-        prompt_grad=config.engine.prompt_grad,
-        branch_segment_tokens=config.engine.branch_segment_tokens,
-        share_response_prefixes=config.engine.share_response_prefixes,
-        **kwargs,
-    )
+        engine.state_budget_bytes,
+        engine.state_tier,
+        engine.state_dir,
+        exact=engine.prompt_grad == "exact",
+    ) as state:
+        slices, replay = sharded_group_slice_replay(
+            ctx.model,
+            state,
+            [torch.tensor(r) for r in record.response_ids],
+            advantages,
+            config.grpo,
+            prompt_grad=engine.prompt_grad,
+            branch_segment_tokens=engine.branch_segment_tokens,
+            share_response_prefixes=engine.share_response_prefixes,
+            **kwargs,
+        )
+        traffic = state_traffic(state)
     grads = GradBuffer.from_tensors(slices.grads)
     masks = kwargs["loss_masks"]
-    # The busiest rank's peak RSS and slice of dS: the figures a per-node memory limit must cover.
-    busiest = torch.tensor([peak_rss_bytes(), replay.cotangent_bytes], dtype=torch.int64)
+    # The busiest rank's peak RSS, slice of dS and tiered-state figures: what a per-node memory
+    # limit must cover.
+    figures = [peak_rss_bytes(), replay.cotangent_bytes]
+    if traffic is not None:
+        figures += [traffic.peak_resident_bytes, traffic.bytes_read, traffic.bytes_written]
+    busiest = torch.tensor(figures, dtype=torch.int64)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-    peak, cotangent_bytes = busiest.tolist()
+    peak, cotangent_bytes, *tiered = busiest.tolist()
     stats = group_stats(
-        config.engine.prompt_grad,
+        engine.prompt_grad,
         state,
         replay.losses,
         [lp.cpu().tolist() for lp in replay.logprobs],
@@ -491,6 +513,11 @@ def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffe
         device=ctx.model.device,
         peak_rss=int(peak),
     )
+    if tiered:
+        busiest_traffic = StateTraffic(
+            peak_resident_bytes=tiered[0], bytes_read=tiered[1], bytes_written=tiered[2]
+        )
+        stats = stats.model_copy(update={"state_traffic": busiest_traffic})
     return grads, stats
 
 

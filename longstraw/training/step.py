@@ -58,19 +58,18 @@ IN_PROCESS = Stages(
 
 
 def _prefill(config: RunConfig, policy: PolicyRef, prompts, stages: Stages):
-    """Each prompt's state: shard by shard (one cacheable stage call each) on a single process,
-    one call per prompt on the ranks, then the commit."""
+    """Each prompt's state: shard by shard (one cacheable stage call each, on one process or on
+    the ranks together), then the commit."""
     total = sum(p.num_shards for p in prompts)
     done = 0
     reports = []
     for prompt in prompts:
-        if config.parallel.world_size == 1:
-            for shard in range(prompt.num_shards):
-                stages.prefill_shard(config, policy, prompt, shard)
-                done += 1
-                progress.emit("prefill_shard", done=done, total=total)
-                if stages.on_prefill_shard is not None:
-                    stages.on_prefill_shard(done, total)
+        for shard in range(prompt.num_shards):
+            stages.prefill_shard(config, policy, prompt, shard)
+            done += 1
+            progress.emit("prefill_shard", done=done, total=total)
+            if stages.on_prefill_shard is not None:
+                stages.on_prefill_shard(done, total)
         reports.append(stages.prefill_prompt(config, policy, prompt))
     return reports
 

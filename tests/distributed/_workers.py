@@ -181,6 +181,12 @@ def compare_with_single_process(
         )
         out[f"{mode}_logps"] = [g.tolist() for g in logps]
         out[f"{mode}_grad"] = _grad_errors(got, want)
+    if is_glm(model) and index_topk is not None and index_topk < prompt_len:
+        out["branches"] = _branch_cases_against_single_process(model, prompt_len, shard_tokens)
+        # The sparse regime: each rank's latents, rope and indexer keys streamed under a budget.
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config, cases=BUDGET_CASES[:2]
+        )
     return out
 
 
@@ -296,6 +302,62 @@ def resume_persisted_prefill(
     out["again_bitwise"] = all(
         torch.equal(gather_state(again).tensors()[n], t) for n, t in want.items()
     )
+    return out
+
+
+def budgeted_sharded_sessions(
+    rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
+):
+    """Per-shard `ShardedPrefillSession` calls with each rank's slice tiered from the start
+    (budget 0, disk, a 16-position grid), both schedules, against `sharded_prefill`."""
+    import tempfile
+
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine import attention
+    from longstraw.engine.layer_kinds import named_arrays
+    from longstraw.engine.state import token_rows
+    from longstraw.engine.state_tiers import StateBudget
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.schemas.storage import StateKey, StorageConfig
+
+    attention.PREFIX_CHUNK_TOKENS = 16
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    prompt, _, _ = _group(model.config.get_text_config().vocab_size, prompt_len)
+    want = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    out = {}
+    for schedule in ("sequential", "wavefront"):
+        storage = StorageConfig(root_uri=f"{root}/{schedule}", persist_mode="synchronous")
+        key = StateKey.policy("budget", 0, "w" * 64, "d" * 64)
+        with tempfile.TemporaryDirectory() as scratch:
+            session = ShardedPrefillSession(
+                model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+                schedule=schedule, budget=StateBudget(0, "disk", scratch),
+            )  # fmt: skip
+            for shard in range(session.num_shards):
+                session.ensure_shard(shard)
+            state, outcome = session.finish()
+            got = named_arrays(state)
+            equal = {
+                name: torch.equal(
+                    token_rows(got[name], 0, got[name].shape[1])
+                    if hasattr(got[name], "read") else got[name], tensor,
+                )
+                for name, tensor in named_arrays(want).items()
+            }  # fmt: skip
+            equal["final_recurrent"] = torch.equal(state.final_recurrent, want.final_recurrent)
+            store = state.tiers.store
+            out[schedule] = {
+                "equal": equal,
+                "tiered": sorted(n for n, t in got.items() if hasattr(t, "read")),
+                "computed": outcome.shards_computed,
+                "committed": outcome.ref is not None,
+                "peak": store.peak_resident_bytes,
+                "chunk_unit": store.chunk_unit_bytes,
+            }
+            session.discard()
+            out[schedule]["scratch_left"] = os.listdir(scratch)
     return out
 
 
@@ -589,9 +651,87 @@ def rollout_against_single_process(
     out["sampled_stop_ids"] = stops
     out["sampled_stop_bytes"] = sent
     out["bytes_per_step"] = _decode_bytes_per_step(model, local, 4, out["sparse"])
+    out["agent"] = _agent_branches_against_single_process(model, reference, local, vocab)
     # Traffic does not grow with the prompt: the same greedy decode on a longer prompt.
     longer = sharded_prefill(model, _group(vocab, second_prompt_len)[0], shard_tokens=shard_tokens)
     _, out["greedy_bytes_second_prompt"] = sharded(greedy, state=longer)
+    return out
+
+
+class _ScriptedFraming:
+    """Chat framing of fixed ids (no tokenizer): an observation's ids spell its text's length."""
+
+    turn_stop_ids = ()
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def close_turn(self, stop_id):
+        return [5]
+
+    def observation(self, text: str):
+        return [7, 11 + len(text) % (self.vocab - 11), 13]
+
+
+class _ScriptedEnvironment:
+    """Answers turn n with an n-character observation, done after `turns` turns; raises at turn
+    `fail_at`. Counts its calls in `calls` (class-wide: every instance of the process)."""
+
+    calls = 0
+
+    def __init__(self, turns: int = 3, fail_at: int | None = None):
+        self.turns, self.fail_at, self.seen = turns, fail_at, 0
+
+    def reset(self, metadata):
+        type(self).calls += 1
+
+    def step(self, text):
+        type(self).calls += 1
+        self.seen += 1
+        if self.seen == self.fail_at:
+            raise RuntimeError(f"tool failed at turn {self.seen}")
+        return "x" * self.seen, self.seen >= self.turns, float(self.seen)
+
+
+def _agent_branches_against_single_process(model, reference, local, vocab) -> dict:
+    """Agent trajectories (greedy and seeded, and one whose tool fails) sampled on the ranks
+    against the same trajectories sampled by one process on the whole state."""
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.agent_rollout import TurnLimits, sample_agent_group
+    from longstraw.engine.rollout import SamplingParams
+
+    framing = _ScriptedFraming(vocab)
+    limits = TurnLimits(max_turns=4, max_turn_tokens=3, max_branch_tokens=40)
+
+    def trajectories(state, params, exchange=None, **env):
+        kwargs = {} if exchange is None else {"exchange": exchange}
+        return [
+            (t.token_ids, t.loss_mask, t.logprobs, t.finish_reason, t.reward, t.error)
+            for t in sample_agent_group(
+                model, state, lambda: _ScriptedEnvironment(**env), {}, framing, limits, params,
+                generator=torch.Generator().manual_seed(SEED), **kwargs,
+            )
+        ]  # fmt: skip
+
+    out = {}
+    for name, params, env in (
+        ("greedy", SamplingParams(num_samples=2, max_new_tokens=3, top_k=1), {}),
+        ("sampled", SamplingParams(num_samples=2, max_new_tokens=3, temperature=0.8), {}),
+        ("failing", SamplingParams(num_samples=1, max_new_tokens=3, top_k=1), {"fail_at": 2}),
+    ):
+        want = trajectories(reference, params, **env)
+        before = _ScriptedEnvironment.calls
+        got = trajectories(local, params, CrossRankExchange(), **env)
+        out[name] = {
+            "got": got,
+            "tokens_equal": [g[:2] + g[3:] for g in got] == [w[:2] + w[3:] for w in want],
+            "logp_max_diff": max(
+                abs(a - b)
+                for g, w in zip(got, want, strict=True)
+                for a, b in zip(g[2], w[2], strict=False)
+            ),
+            "environment_calls": _ScriptedEnvironment.calls - before,
+        }
     return out
 
 
@@ -637,15 +777,22 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
                                     shard_tokens: int):  # fmt: skip
     """Segmented and prefix-tree replay over this rank's slice vs the single-process engine
     with the same engine options (run here too): gradient errors and log-probs per case."""
+    from longstraw.models.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+    model.eval()
+    return _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=True)
+
+
+def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=False) -> dict:
+    """`BRANCH_CASES` on this rank's slice vs one process (and, with `budget`, the budgeted
+    cases against the resident slice)."""
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
-    from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
-    model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
-    model.eval()
     vocab = model.config.get_text_config().vocab_size
     prompt, responses, advantages = _shared_prefix_group(vocab, prompt_len)
     config = GRPOConfig(beta=0.0)
@@ -675,4 +822,93 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
             ),
             "logps": [g.tolist() for g in logps],
         }
+    if budget:
+        out["budget"] = _budgeted_against_resident(
+            model, local, prompt, responses, advantages, config
+        )
+    return out
+
+
+# Replay options run on a tiered slice of the sharded state (name, prompt_grad, segments, tree).
+BUDGET_CASES = (
+    ("whole", "exact", None, False),
+    ("detached", "detached", None, False),
+    ("segments_in_tree", "exact", 3, True),
+)
+# Prefix positions per chunk while the budgeted cases run: every rank's slice (66 and 53
+# positions) and every sweep prefix is cut into several chunks.
+BUDGET_CHUNK_TOKENS = 16
+
+
+def _budgeted_against_resident(
+    model, local, prompt, responses, advantages, config, cases=BUDGET_CASES
+) -> dict:
+    """Each rank's slice tiered under a budget of 0 (every chunk streamed, host and disk)
+    against the same slice resident: gradients, log-probs and sampled tokens, bit for bit, for
+    each of `cases` (`BUDGET_CASES` rows)."""
+    import tempfile
+
+    from longstraw.distributed.sharded_group import sharded_group_gradients
+    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.engine import attention
+    from longstraw.engine.rollout import SamplingParams
+    from longstraw.engine.state_tiers import state_traffic, tiered_for_group
+    from longstraw.models import glm
+
+    def same(a, b) -> bool:
+        return a.grads.keys() == b.grads.keys() and all(
+            torch.equal(a.grads[n], b.grads[n]) for n in a.grads
+        )
+
+    sampling = SamplingParams(num_samples=3, max_new_tokens=5, temperature=0.9)
+
+    def sample(state):
+        drawn = sharded_sample_responses(
+            model, state, sampling, generator=torch.Generator().manual_seed(SEED)
+        )
+        return [(r.token_ids, r.logprobs) for r in drawn]
+
+    out: dict = {}
+    previous = attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS
+    attention.PREFIX_CHUNK_TOKENS = glm.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
+    try:
+        # The prefill on the same grid: the exact sweep checks its recomputation bitwise.
+        local = sharded_prefill(model, prompt, shard_tokens=local.shard_tokens)
+        want_samples = sample(local)
+        for name, mode, segment_tokens, share in cases:
+            options = dict(
+                prompt_grad=mode, branch_segment_tokens=segment_tokens,
+                share_response_prefixes=share,
+            )  # fmt: skip
+            want, want_logps = sharded_group_gradients(
+                model, local, responses, advantages, config, **options
+            )
+            for tier in ("host", "disk"):
+                with tempfile.TemporaryDirectory() as scratch:
+                    with tiered_for_group(
+                        model, local, 0, tier, scratch, exact=mode == "exact"
+                    ) as tiered:
+                        got, logps = sharded_group_gradients(
+                            model, tiered, responses, advantages, config, **options
+                        )
+                        samples = sample(tiered) if name == "whole" else want_samples
+                        traffic = state_traffic(tiered)
+                        unit = tiered.tiers.store.chunk_unit_bytes
+                    left = os.listdir(scratch)
+                out[f"{name}-{tier}"] = {
+                    "grads_equal": same(got, want),
+                    "logps_equal": all(
+                        torch.equal(a, b) for a, b in zip(logps, want_logps, strict=True)
+                    ),
+                    "samples_equal": samples == want_samples,
+                    "bytes_read": traffic.bytes_read,
+                    "bytes_written": traffic.bytes_written,
+                    "peak": traffic.peak_resident_bytes,
+                    "chunk_unit": unit,
+                    "state_bytes": local.state_bytes(),
+                    "scratch_left": left,
+                }
+    finally:
+        attention.PREFIX_CHUNK_TOKENS, glm.PREFIX_CHUNK_TOKENS = previous
     return out

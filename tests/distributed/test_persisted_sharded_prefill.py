@@ -10,7 +10,7 @@ back and the exact-mode gradients must equal an uninterrupted sharded run's, bit
 from __future__ import annotations
 
 import pytest
-from _workers import persisted_prefill_dying, resume_persisted_prefill
+from _workers import budgeted_sharded_sessions, persisted_prefill_dying, resume_persisted_prefill
 
 import longstraw.distributed.persisted_sharded_prefill
 import longstraw.distributed.sharded_group
@@ -90,3 +90,21 @@ def test_sharded_layout_is_the_single_process_layout(load_tiny, family):
     state = prefill(model, list(range(3, 3 + PROMPT_LEN)), shard_tokens=SHARD_TOKENS)
     for rank in range(3):
         assert sharded_state_layout(scatter_state(state, rank, 3)) == state_layout(state)
+
+
+def test_each_rank_prefills_its_slice_straight_into_its_tier(tmp_path, checkpoint_dir):
+    """Under a budget of 0 each rank's slice is tiered from its allocation: the per-shard
+    session (one call per shard, as the prefill_shard tasks make it) writes every owned shard's
+    K/V to the rank's scratch file, both schedules give `sharded_prefill`'s bits, and a rank
+    never holds more than one chunk unit of prompt state."""
+    results = run_on_ranks(
+        budgeted_sharded_sessions, 2, str(checkpoint_dir("qwen3_5")), str(tmp_path),
+        PROMPT_LEN, SHARD_TOKENS, timeout_s=240, start_method="fork",
+    )  # fmt: skip
+    for rank, result in enumerate(results):
+        for schedule, r in result.items():
+            assert all(r["equal"].values()), f"rank {rank}, {schedule}: {r['equal']}"
+            assert r["tiered"] == ["full_attention/k", "full_attention/v"], r["tiered"]
+            assert r["committed"] and r["computed"] == (4, 3)[rank], f"rank {rank}: {r}"
+            assert 0 < r["peak"] <= r["chunk_unit"], f"rank {rank}, {schedule}: {r}"
+            assert r["scratch_left"] == [], f"rank {rank}, {schedule}"

@@ -166,3 +166,37 @@ def test_sharded_glm_sweep_refuses_a_latent_that_does_not_reproduce(checkpoint_d
     assert (
         "RecomputedStateMismatchError" in failure.value.detail and "latent" in failure.value.detail
     )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_streams_its_latents_under_a_budget_bitwise(checkpoint_dir, world):
+    """`engine.state_budget_bytes` = 0 on the ranks (sparse DSA): each rank's latents, rope and
+    indexer keys (and, exact, their cotangents) stream in 16-position chunks; replay, the exact
+    sweep and sampling give the resident slice's bits, within two chunk units."""
+    results = _results(str(checkpoint_dir("glm_moe_dsa")), world, SPARSE)
+    for rank, r in enumerate(results):
+        for case, got in r["budget"].items():
+            assert got["grads_equal"] and got["logps_equal"], f"rank {rank}, {case}: {got}"
+            assert got["samples_equal"], f"rank {rank}, {case}: sampled tokens differ"
+            assert got["bytes_read"] >= got["state_bytes"], f"rank {rank}, {case}: {got}"
+            assert 0 < got["peak"] <= 2 * got["chunk_unit"], f"rank {rank}, {case}: {got}"
+            assert got["scratch_left"] == [], f"rank {rank}, {case}: scratch files left"
+        assert sorted(r["budget"]) == [
+            "detached-disk", "detached-host", "whole-disk", "whole-host"
+        ]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_segments_and_prefix_trees_on_the_ranks_match_one_process(checkpoint_dir, world):
+    """A long branch's segments (3-4 tokens) and a prefix tree of three responses over the
+    sharded latents (sparse DSA): every rank reads the earlier segments as causal branch keys,
+    as one process does; gradients and log-probs as one process with the same options."""
+    from _workers import BRANCH_CASES
+
+    results = _results(str(checkpoint_dir("glm_moe_dsa")), world, SPARSE)
+    for rank, r in enumerate(results):
+        assert sorted(r["branches"]) == sorted(c[0] for c in BRANCH_CASES)
+        for case, got in r["branches"].items():
+            assert got["grad"]["max_rel"] <= GRAD_MAX_REL, f"rank {rank}, {case}: {got['grad']}"
+            assert got["logp_max_diff"] <= 1e-5 * 7 + 1e-6, f"rank {rank}, {case}"
+            assert got["logps"] == results[0]["branches"][case]["logps"], f"rank {rank}, {case}"

@@ -109,6 +109,24 @@ def test_sharded_decode_hands_collectives_query_sized_bytes_independent_of_the_p
         assert r["sampled_stop_bytes"] == steps * r["bytes_per_step"], f"rank {rank}"
 
 
+def test_agent_trajectories_on_the_ranks_are_the_single_process_ones(results):
+    """Multi-turn rollout over the sharded prefix: the same turns, observations and log-probs
+    as one process over the whole state, on every rank; the environment runs on the first rank
+    only (reset + 3 steps per trajectory; reset + 2 for the failing one), and a tool failure ends the branch on
+    every rank with the first rank's error."""
+    for rank, r in enumerate(results):
+        for name, case in r["agent"].items():
+            assert case["tokens_equal"], f"rank {rank}, {name}: {case['got']}"
+            assert case["logp_max_diff"] <= LOGP_ATOL, f"rank {rank}, {name}"
+            assert case["got"] == results[0]["agent"][name]["got"], f"rank {rank}, {name}"
+        calls = {name: case["environment_calls"] for name, case in r["agent"].items()}
+        assert calls == ({"greedy": 8, "sampled": 8, "failing": 3} if rank == 0 else
+                         dict.fromkeys(calls, 0)), f"rank {rank}: {calls}"  # fmt: skip
+    greedy, failing = results[0]["agent"]["greedy"]["got"], results[0]["agent"]["failing"]["got"]
+    assert all(t[3] == "done" and t[4] == 3.0 and t[1].count(0) == 2 * 4 for t in greedy), greedy
+    assert failing[0][3] == "error" and "tool failed at turn 2" in failing[0][5], failing
+
+
 def test_a_rank_drawing_differently_fails_every_rank_instead_of_hanging(checkpoint_dir):
     with pytest.raises(RankFailedError, match="ReplicaDivergenceError"):
         run_on_ranks(

@@ -11,7 +11,7 @@ import torch
 
 from longstraw.engine.cache import BranchBuffer
 from longstraw.ops import decode_attention as da
-from longstraw.ops import prefix_attention as pa
+from longstraw.ops import partial_attention
 from longstraw.ops.decode_attention import decode_attention, naive_decode_attention
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -75,13 +75,14 @@ def test_decode_attention_does_not_copy_the_prefix_per_row(monkeypatch):
     """Each fused call sees one prefix chunk once ([1, K, C, D], a view of the state's rows)
     with all rows folded into its queries."""
     seen = []
-    flash = pa._CPU_FLASH
+    flash = partial_attention._CPU_FLASH
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((tuple(q.shape), tuple(k.shape), k.data_ptr()))
         return flash(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(pa, "_CPU_FLASH", spy)
+    # The prefix chunks go through the one per-chunk flash partial (ops/partial_attention.py).
+    monkeypatch.setattr(partial_attention, "_CPU_FLASH", spy)
     q, kb, vb, kp, vp = _inputs(8, 8, 2, 1, 4, 256, 16, 16)
     decode_attention(q, kb, vb, kp, vp, scale=0.25)
     assert seen == [((1, 2, 32, 16), (1, 2, 256, 16), kp.data_ptr())]

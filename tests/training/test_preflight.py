@@ -127,25 +127,6 @@ def test_cli_prints_one_line_and_exits_2_and_debug_shows_the_traceback(tmp_path)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
-def test_segments_on_ranks_are_refused_only_for_glm(tmp_path, checkpoint_dir):
-    from longstraw.training.preflight import check_sharded_branches
-
-    def config(family: str, **engine) -> RunConfig:
-        return _config(
-            tmp_path,
-            model={"checkpoint": str(checkpoint_dir(family))},
-            engine=engine,
-            parallel={"world_size": 2},
-        )
-
-    check_sharded_branches(config("qwen3_5", branch_segment_tokens=8))
-    check_sharded_branches(config("qwen3_5", share_response_prefixes=True))
-    check_sharded_branches(config("glm_moe_dsa"))
-    for engine in ({"branch_segment_tokens": 8}, {"share_response_prefixes": True}):
-        with pytest.raises(UserError, match=r"GLM-5 .*parallel\.world_size: 1"):
-            check_sharded_branches(config("glm_moe_dsa", **engine))
-
-
 def _jsonl(tmp_path: Path, lines: list[str], name: str = "prompts.jsonl", **data) -> dict:
     path = tmp_path / name
     path.write_text("".join(line + "\n" for line in lines))

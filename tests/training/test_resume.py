@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from longstraw.engine import state_tiers
 from longstraw.engine.prefill import prefill
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.schemas.storage import StateKey, StorageConfig
@@ -145,6 +146,64 @@ def test_interrupted_prefill_resumes_from_its_committed_shards(tmp_path, checkpo
     assert third.reused_committed and third.shards_computed == 0
     for name, tensor in expected.tensors().items():
         assert torch.equal(third_state.tensors()[name], tensor), name
+
+
+def test_a_budgeted_prefill_never_holds_the_state_and_resumes_from_storage(
+    tmp_path, checkpoint_dir, monkeypatch
+):
+    """Under a budget of 0 the session's state is tiered from the start: each shard's rows go
+    straight to a scratch file, an interrupted prefill resumes from its recorded shards, and a
+    committed state streams from its Zarr chunks; every stored row is the resident prefill's
+    and branch log-probs replay the same bits."""
+    from longstraw.engine import attention
+    from longstraw.engine.replay import branch_logprobs
+    from longstraw.engine.state_tiers import StateBudget
+
+    monkeypatch.setattr(attention, "PREFIX_CHUNK_TOKENS", 8)  # 62 positions: 8 chunks
+    path = checkpoint_dir("qwen3_5")
+    model, _, meta = load_checkpoint(path)
+    gen = torch.Generator().manual_seed(SEED)
+    prompt_P = torch.randint(0, model.config.vocab_size, (63,), generator=gen)
+    response = torch.randint(0, model.config.vocab_size, (5,), generator=gen)
+    storage = _storage(tmp_path / "root")
+    key = StateKey.policy("budget", 0, meta.weights_digest, prompt_digest(prompt_P))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    budget = StateBudget(0, "disk", str(scratch), exact=True)
+    expected = prefill(model, prompt_P, shard_tokens=17)
+    want = branch_logprobs(model, expected, response)
+
+    def session():
+        return PrefillSession(
+            model, prompt_P, shard_tokens=17, storage=storage, key=key, budget=budget
+        )
+
+    first = session()
+    first.ensure_shard(1)
+    first.discard()  # the process "crashes": no commit, its scratch file gone
+    assert not list(scratch.iterdir())
+    second = session()
+    state, outcome = second.finish()
+    assert (outcome.shards_reused, outcome.shards_computed) == (2, 2)
+    assert state.tiers is not None and isinstance(state.keys, state_tiers.TieredArray)
+    for name, tensor in expected.tensors().items():
+        stored = state.tensors()[name]
+        rows = stored if isinstance(stored, torch.Tensor) else torch.stack(
+            [stored.read(slot, 0, stored.shape[1]) for slot in range(stored.shape[0])]
+        )  # fmt: skip
+        assert torch.equal(rows, tensor), name
+    assert torch.equal(branch_logprobs(model, state, response), want)
+    store = state.tiers.store
+    assert 0 < store.peak_resident_bytes <= 2 * store.chunk_unit_bytes
+    second.discard()
+    # Committed: a new session streams it from storage (nothing computed, nothing loaded whole).
+    third = session()
+    state, outcome = third.finish()
+    assert outcome.reused_committed and outcome.shards_computed == 0
+    assert state.tiers is not None
+    assert torch.equal(branch_logprobs(model, state, response), want)
+    third.discard()
+    assert not list(scratch.iterdir())
 
 
 def test_persist_off_computes_every_shard(tmp_path, checkpoint_dir):

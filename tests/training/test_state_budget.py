@@ -14,6 +14,7 @@ import pytest
 
 from longstraw.engine import attention, state_tiers
 from longstraw.storage import artifacts
+from longstraw.training import persisted_prefill
 from longstraw.training.loop import train
 from tests.training.helpers import algorithm_fields, run_config
 
@@ -24,18 +25,31 @@ STATE_FIELDS = {"state_peak_resident_bytes", "state_bytes_read", "state_bytes_wr
 
 @pytest.fixture
 def tier_calls(monkeypatch):
-    """Every tiering of a prompt state, as (exact mode?, its store), in order."""
-    calls = []
-    original = state_tiers.tier_state
+    """Every tiered prompt state, as (how it was made, exact mode?, its store), in order, and
+    per store the largest peak of any stage (a stage counts its figures from its start)."""
+    calls, peaks = [], {}
+    tier, allocate = state_tiers.tier_state, state_tiers.allocate_tiered_state
+    start_counting = state_tiers.TieredStore.start_counting
 
-    def counting(model, state, **kwargs):
-        tiered = original(model, state, **kwargs)
-        calls.append((kwargs["exact"], tiered.store))
+    def tiered_copy(model, state, **kwargs):
+        tiered = tier(model, state, **kwargs)
+        calls.append(("copy", kwargs["exact"], tiered.store))
         return tiered
 
-    monkeypatch.setattr(state_tiers, "tier_state", counting)
+    def tiered_from_prefill(model, prompt_ids, shard_tokens, budget):
+        tiered = allocate(model, prompt_ids, shard_tokens, budget)
+        calls.append(("prefill", budget.exact, tiered.store))
+        return tiered
+
+    def counting(store):
+        peaks[id(store)] = max(peaks.get(id(store), 0), store.peak_resident_bytes)
+        start_counting(store)
+
+    monkeypatch.setattr(state_tiers, "tier_state", tiered_copy)
+    monkeypatch.setattr(persisted_prefill, "allocate_tiered_state", tiered_from_prefill)
+    monkeypatch.setattr(state_tiers.TieredStore, "start_counting", counting)
     monkeypatch.setattr(attention, "PREFIX_CHUNK_TOKENS", CHUNK_TOKENS)
-    return calls
+    return calls, peaks
 
 
 def _stage_records(config) -> dict[str, object]:
@@ -67,9 +81,13 @@ def test_rollout_scoring_and_backward_stream_under_the_budget_bitwise(
         outcome = train(config)
         runs[label] = (outcome.history[0], _stage_records(config))
         assert not list(scratch.iterdir()), "scratch files left behind"
-    # Two groups: rollout, reference and old scores without a cotangent (2 each), then the
-    # exact-mode backward of each group in each of the two iterations.
-    assert [exact for exact, _ in tier_calls] == [False] * 6 + [True] * 4
+    # The policy's states are tiered from their prefill (two groups at policy version 0, then
+    # again at version 1 for the second iteration: the state of the weights it differentiates),
+    # exact mode keeping their cotangents in the tier; the reference states (scored without a
+    # cotangent) are resident and tiered for their stage.
+    calls, peaks = tier_calls
+    assert [(how, exact) for how, exact, _ in calls if how == "prefill"] == [("prefill", True)] * 4
+    assert [(how, exact) for how, exact, _ in calls if how == "copy"] == [("copy", False)] * 2
     (resident, resident_records), (budgeted, budgeted_records) = runs["resident"], runs["budgeted"]
     assert {name.split("-")[0] for name in resident_records} == {"rollout", "scores"}
     assert budgeted_records == resident_records
@@ -78,11 +96,12 @@ def test_rollout_scoring_and_backward_stream_under_the_budget_bitwise(
     }
     assert resident.state_peak_resident_bytes is None
     assert resident.state_bytes_read == resident.state_bytes_written == 0
-    stores = [store for _, store in tier_calls]
+    stores = [store for _, _, store in calls]
     for store in stores:
-        # Budget 0: one working chunk of every array and one prefetched, never a whole layer.
-        assert 0 < store.peak_resident_bytes <= 2 * store.chunk_unit_bytes
-        assert store.peak_resident_bytes < max(store.unit_bytes.values())
-    assert budgeted.state_peak_resident_bytes == max(s.peak_resident_bytes for s in stores)
-    assert budgeted.state_bytes_read == sum(s.bytes_read for s in stores)
-    assert budgeted.state_bytes_written == sum(s.bytes_written for s in stores) > 0
+        # Budget 0: one working chunk of every array and one prefetched, never a whole layer,
+        # in every stage and in the prefill that wrote the state.
+        peak = max(peaks.get(id(store), 0), store.peak_resident_bytes)
+        assert 0 < peak <= 2 * store.chunk_unit_bytes
+        assert peak < max(store.unit_bytes.values())
+    assert 0 < budgeted.state_peak_resident_bytes <= max(2 * s.chunk_unit_bytes for s in stores)
+    assert budgeted.state_bytes_read > 0 and budgeted.state_bytes_written > 0

@@ -120,7 +120,7 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
     ctx = held.policy(config, policy)
     scored, calls = [], []
     real_score, real_accumulate = (
-        step_module.score_responses,
+        step_module.score_logprobs,
         step_module.accumulate_group_gradients,
     )
 
@@ -144,7 +144,7 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
         )
         return stats
 
-    monkeypatch.setattr(step_module, "score_responses", spy_score)
+    monkeypatch.setattr(step_module, "score_logprobs", spy_score)
     monkeypatch.setattr(step_module, "accumulate_group_gradients", spy_accumulate)
     after, metrics = run_step(config, policy)
 

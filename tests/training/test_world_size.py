@@ -8,8 +8,10 @@ prompt gradient, G = 3, two groups per step.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -171,6 +173,12 @@ def test_train_on_two_ranks_ends_with_the_single_process_checkpoint(
         assert two.shards_computed == one.shards_computed == 2 * 3
         # Replay and the exact sweep are timed apart on the ranks too.
         assert two.seconds["replay"] > 0 and two.seconds["sweep"] > 0, two.seconds
+    # One cacheable prefill task per shard on the ranks too (steps x groups x 3 shards).
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        names = [name for (name,) in db.execute("SELECT name FROM task_run")]
+    shard_tasks = [n for n in names if n.startswith("prefill s")]
+    assert len(shard_tasks) == NUM_STEPS * 2 * 3, sorted(names)
+    assert sorted({n.split()[1] for n in shard_tasks}) == ["s0/3", "s1/3", "s2/3"]
 
 
 def test_rank_killed_mid_step_then_resume_finishes_without_recomputing_committed_shards(
@@ -230,10 +238,15 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
     tmp_path, checkpoint_dir, single_process
 ):
     """Ranks from torchrun's c10d rendezvous (two "nodes" of one process each, on this machine)
-    run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's."""
+    run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's.
+    Each "node" streams its slice under a state budget of 0 from its own scratch directory."""
     _, reference_checkpoint, reference_history = single_process
     root = tmp_path / "root"
-    config = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    base = _config(root, checkpoint_dir("qwen3_5"), "ranks")
+    budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
+    config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
     path = _yaml(tmp_path / "run.yaml", config, world_size=2)
     port = free_port()
     env = _env(tmp_path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
@@ -274,6 +287,7 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
         assert node.returncode == 0, out[-4000:]
     (metrics,) = read_metrics(root / "runs" / "ranks")
     assert _algorithm(metrics) == _algorithm(reference_history[0])
+    assert metrics.state_bytes_read > 0 and not list(scratch.iterdir())
     checkpoint = latest_checkpoint(config.storage, config.run_id)
     assert checkpoint.name == "v000001"
     _assert_same_checkpoint(
@@ -285,11 +299,18 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     tmp_path, checkpoint_dir
 ):
     # Segments of 4 tokens and the prefix tree (both were refused on several ranks): `longstraw
-    # train --no-prefect` on two ranks against the same run in one process.
+    # train --no-prefect` on two ranks against the same run in one process. Completions of up
+    # to 9 tokens: a full-length one replays in three segments.
     def config(root: Path):
         base = _config(root, checkpoint_dir("qwen3_5"), "branches")
         engine = {"branch_segment_tokens": 4, "share_response_prefixes": True}
-        return base.model_copy(update={"engine": base.engine.model_copy(update=engine)})
+        grpo = {"max_completion_length": 9}
+        return base.model_copy(
+            update={
+                "engine": base.engine.model_copy(update=engine),
+                "grpo": base.grpo.model_copy(update=grpo),
+            }
+        )
 
     single = config(tmp_path / "world1")
     reference = train(single).history
@@ -306,3 +327,92 @@ def test_segments_and_shared_prefixes_on_two_ranks_end_with_the_single_process_c
     )
     history = read_metrics(tmp_path / "world2" / "runs" / "branches")
     assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
+    # Responses longer than one segment were sampled (the segmented path really ran).
+    lengths = [
+        len(ids)
+        for path in (tmp_path / "world2").rglob("rollout-g*.json")
+        for ids in json.loads(path.read_text())["response_ids"]
+    ]
+    assert max(lengths) > 4, lengths
+
+
+def test_state_budget_on_two_ranks_ends_with_the_single_process_checkpoint(
+    tmp_path, checkpoint_dir, single_process
+):
+    # engine.state_budget_bytes = 0 (it was refused on several ranks): each rank streams its
+    # slice of the state and of dS from a scratch file, in rollout, scoring and the backward.
+    _, reference_checkpoint, reference_history = single_process
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    base = _config(tmp_path / "root", checkpoint_dir("qwen3_5"), "ranks")
+    budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
+    config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
+    process = _train(
+        _yaml(tmp_path / "run.yaml", config, 2), tmp_path, _env(tmp_path), "--no-prefect"
+    )
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+    _assert_same_checkpoint(
+        latest_checkpoint(config.storage, config.run_id),
+        reference_checkpoint,
+        checkpoint_dir("qwen3_5"),
+    )
+    history = read_metrics(tmp_path / "root" / "runs" / "ranks")
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference_history]
+    for m in history:
+        assert m.state_bytes_read > 0 and m.state_bytes_written > 0, m
+        assert m.state_peak_resident_bytes is not None and m.state_peak_resident_bytes > 0, m
+    assert all(m.state_bytes_read == 0 for m in reference_history)
+    assert not list(scratch.iterdir()), "scratch files left behind"
+
+
+def test_agent_run_on_two_ranks_samples_and_trains_what_one_process_does(tmp_path, checkpoint_dir):
+    # examples/agent.yaml (multi-turn rollout with the key-lookup tool, exact mode, segments of
+    # 16 tokens; it was refused on several ranks), two steps of one group, `longstraw train
+    # --no-prefect` on two ranks against one process.
+    from longstraw.schemas.run import merged, validated_run_config
+    from longstraw.training.stages import RolloutRecord
+
+    example = REPO / "examples" / "agent.yaml"
+
+    def config(root: Path):
+        raw = merged(
+            yaml.safe_load(example.read_text()),
+            {
+                "model": {"checkpoint": str(checkpoint_dir("qwen3_5"))},
+                "grpo": {"adam_epsilon": ADAM_EPSILON},
+                "storage": {"root_uri": str(root), "persist_mode": "synchronous"},
+                "train": {"num_steps": 2, "groups_per_step": 1, "checkpoint_every": 2},
+            },
+        )
+        return validated_run_config(raw, str(example))
+
+    single = config(tmp_path / "world1")
+    reference = train(single).history
+    ranks = config(tmp_path / "world2")
+    process = _train(
+        _yaml(tmp_path / "run.yaml", ranks, 2), tmp_path, _env(tmp_path), "--no-prefect"
+    )
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out.decode()[-4000:]
+    _assert_same_checkpoint(
+        latest_checkpoint(ranks.storage, ranks.run_id),
+        latest_checkpoint(single.storage, single.run_id),
+        checkpoint_dir("qwen3_5"),
+    )
+    history = read_metrics(tmp_path / "world2" / "runs" / ranks.run_id)
+    assert [_algorithm(m) for m in history] == [_algorithm(m) for m in reference]
+    assert [m.turns_mean for m in history] == [m.turns_mean for m in reference]
+    assert all(m.turns_mean > 1 and m.environment_errors == 0 for m in history), history
+    records = {
+        world: [
+            RolloutRecord.model_validate_json(path.read_text())
+            for path in sorted((tmp_path / world).rglob("rollout-g*.json"))
+        ]
+        for world in ("world1", "world2")
+    }
+    assert len(records["world2"]) == 2
+    for two, one in zip(records["world2"], records["world1"], strict=True):
+        for field in ("response_ids", "loss_masks", "rewards", "finish_reasons", "num_turns"):
+            assert getattr(two, field) == getattr(one, field), field
+        assert any(0 in mask for mask in two.loss_masks), "no tool output was fed"
