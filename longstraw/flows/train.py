@@ -19,6 +19,7 @@ from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.config_files import read_run_config
+from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training.metrics import settle_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
@@ -106,11 +107,13 @@ def train(
         # Whatever this flow run did, its curves hold every recorded step of the run: the resumed
         # parts, and the steps before a failure.
         try:
-            while policy.step < config.train.num_steps:
-                with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
-                    policy, metrics = grpo_step(config, policy)
-                history.append(metrics)
-                publish_run_curves(config)
+            with open_trackers(config) as trackers:
+                while policy.step < config.train.num_steps:
+                    with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
+                        policy, metrics = grpo_step(config, policy)
+                    history.append(metrics)
+                    trackers.log_step(metrics)
+                    publish_run_curves(config)
         except BaseException:
             # The failure is what the run reports; curves that cannot be published on the way
             # out (the same full or read-only volume) must not replace it.

@@ -81,6 +81,10 @@ class StepMetrics(BaseModel):
     """Version of the weights that produced this step's rollouts (the update makes version + 1)."""
     reward_mean: float
     reward_std: float
+    """Standard deviation of all the step's rewards (Bessel-corrected, TRL's `reward_std`)."""
+    frac_reward_zero_std: float | None = None
+    """Fraction of the step's groups whose rewards are all equal: zero advantage, no signal
+    (None in rows recorded before it was: trackers leave it out)."""
     advantage_mean: float
     advantage_std: float
     advantage_min: float
@@ -96,6 +100,12 @@ class StepMetrics(BaseModel):
     """Prompt tokens of the step's groups (summed)."""
     completion_tokens: int = 0
     """Completion tokens counted by the loss."""
+    completion_length_mean: float | None = None
+    """Tokens per completion the policy sampled (an agent trajectory's observations and chat
+    framing not counted), over the step's completions (None in rows recorded before it was,
+    as the two below)."""
+    completion_length_min: int | None = None
+    completion_length_max: int | None = None
     num_groups: int = 1
     truncated_fraction: float = 0.0
     """Responses that hit max_completion_length."""
@@ -109,6 +119,9 @@ class StepMetrics(BaseModel):
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""
     shards_reused: int = 0
+    state_bytes: int | None = None
+    """The largest prompt state (K/V or latents) of the step's groups, in bytes (on several
+    ranks, the part rank 0 holds; None in rows recorded before it was)."""
     state_peak_resident_bytes: int | None = None
     """Under `engine.state_budget_bytes`: the largest peak of device-resident prompt state over
     the step's rollout, scoring and backward stages (None: no budget)."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from longstraw.schemas.data import HaystackTaskConfig
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.storage import StorageConfig
+from longstraw.schemas.tracking import TrackingConfig
 
 Family = Literal["llama", "qwen3", "qwen3_5", "qwen3_next", "glm_moe_dsa"]
 
@@ -206,6 +207,9 @@ class RunConfig(_Section):
     """Where prompt states and checkpoints live, and how prompt states are persisted."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """torch.distributed processes sharing one step."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment trackers (TensorBoard, MLflow, W&B, Trackio) that receive every step's metrics
+    (none by default)."""
     agent: AgentConfig | None = None
     """Multi-turn rollout with an environment (None: one sampled response per branch, scored by
     `data.rewards`). Prompts are then framed by the tokenizer's chat template, and the

@@ -10,6 +10,7 @@ from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import run_dir
+from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training import held
 from longstraw.training.context import RunContext
 from longstraw.training.metrics import plot_rewards, read_metrics, settle_metrics
@@ -69,10 +70,12 @@ def train(
         # Rows of steps after the starting checkpoint belong to an abandoned attempt; the
         # checkpointed step's row is restored if its process died before writing it.
         settle_metrics(config.storage, outcome.policy)
-        while outcome.policy.step < config.train.num_steps:
-            outcome.policy, metrics = run_step(config, outcome.policy, stages)
-            outcome.history.append(metrics)
-            after_step(config, metrics)
-            if on_step is not None:
-                on_step(metrics)
+        with open_trackers(config) as trackers:
+            while outcome.policy.step < config.train.num_steps:
+                outcome.policy, metrics = run_step(config, outcome.policy, stages)
+                outcome.history.append(metrics)
+                trackers.log_step(metrics)
+                after_step(config, metrics)
+                if on_step is not None:
+                    on_step(metrics)
     return outcome

@@ -4,7 +4,7 @@
 the model checkpoint, `--resume` without a committed checkpoint, a storage root that cannot be
 written, a missing JSONL dataset, reward specs that do not import or do not take
 `(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an agent
-environment that does not load, more ranks than prefill shards, `parallel.backend: nccl` without
+environment that does not load, a tracker of `tracking.report_to` whose package is missing, more ranks than prefill shards, `parallel.backend: nccl` without
 a GPU per rank, every prompt of a JSONL dataset (each line parses, token ids inside the model's
 vocabulary, prompt + response within its positions), and the free space of a local root against
 what one step writes. No weights are loaded; a JSONL dataset is read (and its text prompts
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
+from longstraw.trackers.run_trackers import check_trackers
 from longstraw.training.storage_faults import human_size
 
 S3_CREDENTIALS = "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3"
@@ -34,6 +35,7 @@ def preflight(config: RunConfig, resume: bool) -> None:
     """Raise UserError naming the first thing that would make this run fail, and its fix."""
     check_model(config)
     check_resume(config, resume)
+    check_trackers(config)
     check_data(config)
     check_rewards(config)
     check_reward_weights(config)

@@ -18,6 +18,7 @@ from longstraw.grpo.optim import UpdateStats
 from longstraw.schemas.refs import PolicyRef, UpdateResult
 from longstraw.schemas.results import GroupStats, StateTraffic, StepMetrics
 from longstraw.schemas.run import RunConfig
+from longstraw.trackers.completions import write_completions
 from longstraw.training import progress
 from longstraw.training import stages as _stages
 
@@ -141,6 +142,7 @@ def run_step(
         prompt_tokens=sum(p.num_tokens for p in prompts),
         num_items=plan.num_items_in_batch,
         truncated=[t for r in records for t in r.truncated],
+        completion_lengths=[n for r in records for n in completion_lengths(r)],
         seconds=seconds,
         shards_computed=sum(r.shards_computed for r in reports),
         shards_reused=sum(r.shards_reused for r in reports),
@@ -148,6 +150,8 @@ def run_step(
     )
     if config.agent is not None:
         metrics = metrics.model_copy(update=agent_metrics(records))
+    if config.tracking.report_to and config.tracking.completions_per_step:
+        write_completions(config, policy.step, records, plan.advantages)
     if _stages.is_checkpoint_step(config, current.step):
         # The checkpoint carries the step's record (without its own time): a process killed
         # between this commit and `record_step` gets the row back on resume.
@@ -169,6 +173,14 @@ def agent_metrics(records) -> dict:
     }
 
 
+def completion_lengths(record) -> list[int]:
+    """[G] tokens the policy sampled in each response of a rollout record (TRL's completion
+    length: a loss mask's given tokens, an agent's observations, are not counted)."""
+    if record.loss_masks is not None:
+        return [sum(mask) for mask in record.loss_masks]
+    return [len(ids) for ids in record.response_ids]
+
+
 def _std(values: torch.Tensor) -> float:
     return float(values.std()) if values.numel() > 1 else 0.0
 
@@ -188,10 +200,14 @@ def step_metrics(
     shards_computed: int,
     shards_reused: int,
     state_traffic: list[StateTraffic | None] = (),
+    completion_lengths: list[int] = (),
 ) -> StepMetrics:
     """The audit record of one step (`rewards`/`advantages` [groups, G]; `state_traffic` one
-    entry per stage that read a prompt state, None where it was resident)."""
+    entry per stage that read a prompt state, None where it was resident; `completion_lengths`
+    one entry per response)."""
     kls = [s.kl for s in group_stats if s.kl is not None]
+    # A group whose rewards are all equal has zero advantages (TRL's frac_reward_zero_std).
+    flat_groups = (rewards == rewards[:, :1]).all(dim=1)
     tiered = [t for t in state_traffic if t is not None]
     count = max(len(group_stats), 1)
     return StepMetrics(
@@ -199,6 +215,7 @@ def step_metrics(
         policy_version=policy_version,
         reward_mean=float(rewards.mean()),
         reward_std=_std(rewards.flatten()),
+        frac_reward_zero_std=float(flat_groups.double().mean()),
         advantage_mean=float(advantages.mean()),
         advantage_std=_std(advantages.flatten()),
         advantage_min=float(advantages.min()),
@@ -212,12 +229,18 @@ def step_metrics(
         learning_rate=update.learning_rate,
         prompt_tokens=prompt_tokens,
         completion_tokens=int(num_items),
+        completion_length_mean=(
+            sum(completion_lengths) / len(completion_lengths) if completion_lengths else None
+        ),
+        completion_length_min=min(completion_lengths, default=None),
+        completion_length_max=max(completion_lengths, default=None),
         num_groups=rewards.shape[0],
         truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
         peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
         shards_computed=shards_computed,
         shards_reused=shards_reused,
+        state_bytes=max((s.state_bytes for s in group_stats), default=None),
         state_peak_resident_bytes=max((t.peak_resident_bytes for t in tiered), default=None),
         state_bytes_read=sum(t.bytes_read for t in tiered),
         state_bytes_written=sum(t.bytes_written for t in tiered),

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from flow_helpers import (
@@ -141,10 +142,10 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     prefect_harness, runs_root, in_process_digest
 ):
     # A 1-step run, then a resumed run to 2 steps (the learning rate is constant, so the
-    # optimizer trajectory does not depend on num_steps).
-    first, _ = _train(tiny_run_config(runs_root, "flow-resumed", num_steps=1), resume=False)
+    # optimizer trajectory does not depend on num_steps). They log to TensorBoard.
+    first, _ = _train(_tensorboard(tiny_run_config(runs_root, "flow-resumed", 1)), resume=False)
     assert [m.step for m in first] == [0]
-    config = tiny_run_config(runs_root, "flow-resumed", num_steps=2)
+    config = _tensorboard(tiny_run_config(runs_root, "flow-resumed", num_steps=2))
     second, _ = _train(config, resume=True)
     assert [m.step for m in second] == [1]
     assert (second[0].shards_computed, second[0].shards_reused) == (NUM_SHARDS, 0)
@@ -167,6 +168,26 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
     cached = [m for m in (log.message for log in logs_of(flow_run_id)) if "cache key" in m]
     assert len(cached) == NUM_SHARDS and all(m.startswith("Cached: ") for m in cached), cached
     assert final_weights_digest(config) == in_process_digest
+
+    # Three flow runs, one TensorBoard run: the redone step 1 was not logged again.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = runs_root / "runs" / "flow-resumed" / "trackers" / "tensorboard"
+    assert len(list(logs.glob("events.out.tfevents.*"))) == 3
+    events = EventAccumulator(str(logs), size_guidance={"scalars": 0})
+    events.Reload()
+    # TensorBoard keeps float32; the redone step 1 (third) was not logged again.
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
+        (m.step, float(np.float32(m.reward_mean))) for m in (*first, *second)
+    ]
+    assert [e.step for e in events.Tensors("completions/text_summary")] == [0, 1]
+
+
+def _tensorboard(config):
+    """`config` logging to TensorBoard (the trackers' tests cover the others)."""
+    from longstraw.schemas.tracking import TrackingConfig
+
+    return config.model_copy(update={"tracking": TrackingConfig(report_to=["tensorboard"])})
 
 
 def test_curves_cover_a_failed_run_and_its_resume_which_the_run_tag_links(
