@@ -290,9 +290,21 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
     from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
     from longstraw.training import progress as events
 
+    server = None
+    if use_prefect:
+        from longstraw.flows.embedded_server import EmbeddedServer
+
+        # Comes up while the ranks start and the flow's modules import; in a session of its own
+        # (it survives the group's signal and dies with this process).
+        server = EmbeddedServer.start()
     # Under torchrun, every rank but 0 serves the stages from here and exits when rank 0 is done;
     # without it, rank 0 starts the other ranks on this machine.
-    start_stage_group(config.parallel)
+    try:
+        start_stage_group(config.parallel)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     started = time.perf_counter()
     with Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -314,10 +326,8 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
         events.add_listener(listen)
         try:
             if use_prefect:
-                from longstraw.flows.embedded_server import use_owned_ephemeral_server
                 from longstraw.flows.train import train as train_flow
 
-                use_owned_ephemeral_server()  # survives the group's signal, dies with this one
                 if not debug:
                     import logging
 
@@ -329,9 +339,13 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                     # under the embedded server's database): the stdlib's production setting.
                     logging.raiseExceptions = False
 
-                console.print(
-                    "[dim]starting Prefect (ephemeral local API unless PREFECT_API_URL is set)…[/dim]"
-                )
+                if server is None:
+                    console.print("[dim]starting Prefect (the API at PREFECT_API_URL)…[/dim]")
+                else:
+                    console.print(
+                        f"[dim]starting Prefect (embedded local API, {server.url})…[/dim]"
+                    )
+                    server.use()
                 history = train_flow(config.model_dump(mode="json"), resume=resume)
             else:
                 from longstraw.training.loop import train
@@ -340,6 +354,8 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
         finally:
             events.remove_listener(listen)
             stop_stage_group()
+            if server is not None:
+                server.stop()
         progress.update(steps_bar, completed=config.train.num_steps)
     console.print(run_summary(config, history))
     console.print(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,56 +28,117 @@ FLUSH_S = 5.0
 """Longest wait for Prefect's pending logs or events before a volume fault's line."""
 
 
-def use_owned_ephemeral_server() -> bool:
-    """Make Prefect's ephemeral API (no PREFECT_API_URL) start through this module. Returns
-    False where a server is configured or the ephemeral one is already running."""
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+class EmbeddedServer:
+    """The Prefect API `longstraw train` runs for itself when no server is configured.
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return False
-    if None in SubprocessASGIServer._instances:
-        return False
+    `start()` launches this module's server process on a free loopback port and returns at once;
+    `use()` waits until it answers and points every Prefect client of this process at it
+    (PREFECT_API_URL). Started before the model loads and the ranks start, the server comes up
+    while they do, and this process never imports Prefect's server package (~4 s on 2 cores),
+    which its ephemeral mode imports in every process that makes a client. `stop()` sends what
+    Prefect still has queued (logs, events), then stops the server.
+    """
 
-    class OwnedEphemeralServer(SubprocessASGIServer):
-        """Prefect's ephemeral server (registered as its port-less instance), started here."""
+    def __init__(self, process: subprocess.Popen, url: str) -> None:
+        self.process = process
+        self.url = url
+        """http://127.0.0.1:PORT/api"""
 
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            import prefect
-            from prefect.settings import get_current_settings
+    @classmethod
+    def start(cls) -> EmbeddedServer | None:
+        """The server, starting; None where PREFECT_API_URL names a server or ephemeral mode is
+        off (Prefect then does what its settings say)."""
+        import prefect
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_SERVER_EPHEMERAL_ENABLED,
+            get_current_settings,
+        )
 
-            return subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "longstraw.flows.embedded_server",
-                    str(os.getpid()),
-                    "--app-dir",
-                    str(prefect.__module_path__.parent),
-                    "--factory",
-                    "longstraw.flows.embedded_server:create_app",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "error",
-                    "--lifespan",
-                    "on",
-                ],
-                env={
-                    **os.environ,
-                    # What Prefect's own start sets: no UI, an ephemeral, final server.
-                    "PREFECT_UI_ENABLED": "0",
-                    "PREFECT__SERVER_EPHEMERAL": "1",
-                    "PREFECT__SERVER_FINAL": "1",
-                    **get_current_settings().to_environment_variables(exclude_unset=True),
-                },
-                start_new_session=True,
-            )
+        if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+            return None
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "longstraw.flows.embedded_server",
+                str(os.getpid()),
+                "--app-dir",
+                str(prefect.__module_path__.parent),
+                "--factory",
+                "longstraw.flows.embedded_server:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "error",
+                "--lifespan",
+                "on",
+            ],
+            env={
+                **os.environ,
+                # What Prefect's own ephemeral start sets: no UI, an ephemeral, final server.
+                "PREFECT_UI_ENABLED": "0",
+                "PREFECT__SERVER_EPHEMERAL": "1",
+                "PREFECT__SERVER_FINAL": "1",
+                **get_current_settings().to_environment_variables(exclude_unset=True),
+            },
+            start_new_session=True,
+        )
+        return cls(process, f"http://127.0.0.1:{port}/api")
 
-    OwnedEphemeralServer()
-    return True
+    def use(self) -> None:
+        """Wait until the server answers (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, as
+        Prefect's own start does), then make it this process's PREFECT_API_URL, for every thread
+        (Prefect's log and event workers included)."""
+        import urllib.error
+        import urllib.request
+
+        from prefect.context import refresh_global_settings_context
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"the embedded Prefect server exited with code {code} before it answered; "
+                    "run with --no-prefect, or start a server and set PREFECT_API_URL"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"the embedded Prefect server did not answer on {self.url} within "
+                        f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s; raise "
+                        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or run with --no-prefect"
+                    ) from None
+                time.sleep(0.1)
+        os.environ["PREFECT_API_URL"] = self.url
+        refresh_global_settings_context()
+
+    def stop(self) -> None:
+        """Send Prefect's queued logs and events (a few seconds at most), then stop the server
+        (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
+        if self.process.poll() is None and os.environ.get("PREFECT_API_URL") == self.url:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            for worker in (APILogWorker, EventsWorker):
+                worker.drain_all(timeout=FLUSH_S, at_exit=False)
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_GRACE_S + 1)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def flush_before_volume_fault() -> None:
