@@ -35,6 +35,7 @@ LEVELS = {
     "data": 6,
     "storage": 6,
     "distributed": 7,
+    "trackers": 7,
     "training": 8,
     "bench": 8,
     "orchestration": 9,

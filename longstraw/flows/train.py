@@ -17,10 +17,10 @@ from longstraw.orchestration.stages import open_run
 from longstraw.schemas.overrides import RunConfigOverrides, as_overrides
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
-from longstraw.storage.checkpoints import latest_checkpoint
+from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.storage.config_files import read_run_config
 from longstraw.trackers.run_trackers import open_trackers
-from longstraw.training.metrics import settle_metrics
+from longstraw.training.metrics import read_metrics, settle_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
 
@@ -107,7 +107,8 @@ def train(
         # Whatever this flow run did, its curves hold every recorded step of the run: the resumed
         # parts, and the steps before a failure.
         try:
-            with open_trackers(config) as trackers:
+            recorded = read_metrics(run_dir(config.storage, config.run_id))
+            with open_trackers(config, recorded) as trackers:
                 while policy.step < config.train.num_steps:
                     with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
                         policy, metrics = grpo_step(config, policy)

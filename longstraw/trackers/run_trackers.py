@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from longstraw.errors import UserError
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
-from longstraw.storage.checkpoints import run_dir
 from longstraw.trackers.completions import read_completions
 from longstraw.trackers.metric_names import tracker_metrics
 from longstraw.trackers.tracker import Held, Tracker
@@ -116,17 +115,15 @@ def close_all(trackers: list[Tracker]) -> None:
 
 
 @contextlib.contextmanager
-def open_trackers(config: RunConfig) -> Iterator[RunTrackers]:
-    """The trackers of `tracking.report_to`, caught up with the run's recorded steps (call after
-    `settle_metrics`), closed on exit whatever happens."""
-    from longstraw.training.metrics import read_metrics
-
+def open_trackers(config: RunConfig, recorded: Sequence[StepMetrics]) -> Iterator[RunTrackers]:
+    """The trackers of `tracking.report_to`, caught up with the run's `recorded` steps (its
+    metrics file, read after `settle_metrics`), closed on exit whatever happens."""
     trackers: list[Tracker] = []
     try:
         for name in config.tracking.report_to:
             trackers.append(open_tracker(name, config))
         run = RunTrackers(config, trackers)
-        for row in read_metrics(run_dir(config.storage, config.run_id)):
+        for row in recorded:
             run.log_step(row)
         yield run
     finally:

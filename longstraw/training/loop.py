@@ -70,7 +70,8 @@ def train(
         # Rows of steps after the starting checkpoint belong to an abandoned attempt; the
         # checkpointed step's row is restored if its process died before writing it.
         settle_metrics(config.storage, outcome.policy)
-        with open_trackers(config) as trackers:
+        recorded = read_metrics(run_dir(config.storage, config.run_id))
+        with open_trackers(config, recorded) as trackers:
             while outcome.policy.step < config.train.num_steps:
                 outcome.policy, metrics = run_step(config, outcome.policy, stages)
                 outcome.history.append(metrics)
