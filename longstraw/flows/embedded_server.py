@@ -1,9 +1,9 @@
 """The embedded Prefect server of `longstraw train`, in a session of its own, dying with its parent.
 
-Prefect's ephemeral API server is a child in the trainer's process group, so a signal to the
+Prefect's own ephemeral API server is a child in the trainer's process group, so a signal to the
 group (a terminal's Ctrl-C, `kill -TERM -<pgid>`, systemd, Slurm, Kubernetes) stops the server
 first, and Prefect's crash reporting then retries against a dead server for minutes. Started
-here instead, the server has a session of its own (the group's signal reaches only the trainer,
+by `EmbeddedServer` instead, the server has a session of its own (the group's signal reaches only the trainer,
 which reports the crash and stops it on exit), and a thread in the server ends it when its parent
 is gone (a SIGKILLed trainer leaves no server behind).
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,8 @@ PARENT_POLL_S = 1.0
 STOP_GRACE_S = 5.0
 """After SIGTERM, how long uvicorn gets to shut down before the process exits anyway."""
 FLUSH_S = 5.0
-"""Longest wait for Prefect's pending logs or events before a volume fault's line."""
+"""Longest wait for Prefect's queued logs or events to reach the API (before a volume fault's line,
+and before the embedded server stops)."""
 
 
 class EmbeddedServer:
@@ -57,9 +57,9 @@ class EmbeddedServer:
 
         if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
             return None
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        from longstraw.distributed.launch import free_port
+
+        port = free_port()
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -128,11 +128,7 @@ class EmbeddedServer:
         """Send Prefect's queued logs and events (a few seconds at most), then stop the server
         (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
         if self.process.poll() is None and os.environ.get("PREFECT_API_URL") == self.url:
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogWorker
-
-            for worker in (APILogWorker, EventsWorker):
-                worker.drain_all(timeout=FLUSH_S, at_exit=False)
+            _drain_prefect_queues()
         self.process.terminate()
         try:
             self.process.wait(timeout=STOP_GRACE_S + 1)
@@ -149,12 +145,17 @@ def flush_before_volume_fault() -> None:
     stdlib's switch for errors inside logging, which Prefect follows)."""
     import logging
 
+    _drain_prefect_queues()
+    logging.raiseExceptions = False
+
+
+def _drain_prefect_queues() -> None:
+    """Send the logs and events Prefect still has queued for the API (FLUSH_S at most each)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
     for worker in (APILogWorker, EventsWorker):
         worker.drain_all(timeout=FLUSH_S, at_exit=False)
-    logging.raiseExceptions = False
 
 
 def create_app():
