@@ -34,12 +34,7 @@ from longstraw.distributed.sharded_rollout import (
     ReplicaDivergenceError,
     sharded_sample_responses,
 )
-from longstraw.distributed.sharded_state import (
-    ShardedPrefixState,
-    gather_state,
-    rank_shard_ranges,
-    scatter_state,
-)
+from longstraw.distributed.sharded_state import gather_state, scatter_state
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 
 __all__ = [
@@ -47,12 +42,10 @@ __all__ = [
     "RankFailedError",
     "ReplicaDivergenceError",
     "ShardedPrefillOutcome",
-    "ShardedPrefixState",
     "SliceLayout",
     "all_reduce_rank_gradients",
     "gather_state",
     "persisted_sharded_prefill",
-    "rank_shard_ranges",
     "run_on_ranks",
     "scatter_state",
     "sharded_branch_logprobs",

@@ -2,7 +2,7 @@
 across its sequence group.
 
 Replicated, as every branch on the ranks runs: each rank runs the same branch on the same inputs
-over its `ShardedPrefixState`; the cross-rank attention (`cross_rank_attention`,
+over its part of the `PrefixState`; the cross-rank attention (`cross_rank_attention`,
 `cross_rank_mla`) merges every rank's partial over its positions, so the branch's outputs are the
 same bits on every rank and each rank's prompt cotangent collects dK/dV for its positions only.
 """

@@ -35,10 +35,9 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharded_prefill
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 from longstraw.engine.layer_kinds import named_arrays
-from longstraw.engine.state import token_rows
+from longstraw.engine.state import PrefixState, token_rows
 from longstraw.engine.state_tiers import StateBudget, tiered_like
 from longstraw.schemas.storage import (
     ArraySpec,
@@ -79,12 +78,12 @@ class ShardedPrefillOutcome:
     """Shards of the previous rank read back for lineage (0 or 1)."""
 
 
-def sharded_state_tensors(state: ShardedPrefixState) -> dict[str, torch.Tensor]:
+def sharded_state_tensors(state: PrefixState) -> dict[str, torch.Tensor]:
     """This rank's arrays by storage name (the names of `PrefixState.tensors()`)."""
     return named_arrays(state)
 
 
-def sharded_state_layout(state: ShardedPrefixState) -> StateLayout:
+def sharded_state_layout(state: PrefixState) -> StateLayout:
     """The storage layout of the WHOLE state a sharded prefill computes (every rank: the same).
 
     Equal to the single-process `state_layout(PrefixState)`, so either path reads the other's
@@ -101,7 +100,7 @@ def sharded_state_layout(state: ShardedPrefixState) -> StateLayout:
     return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
 
 
-def _shard_payload(state: ShardedPrefixState, shard: int):
+def _shard_payload(state: PrefixState, shard: int):
     """(token slices, end checkpoints, start checkpoints for shard 0) of an owned shard."""
     start, end = state.bounds[shard]
     local = shard - state.shards[0]
@@ -115,7 +114,7 @@ def _shard_payload(state: ShardedPrefixState, shard: int):
     return tokens, ends, (initial if shard == 0 else None)
 
 
-def _restore_shard(state: ShardedPrefixState, shard: int, data: ShardData) -> None:
+def _restore_shard(state: PrefixState, shard: int, data: ShardData) -> None:
     start, end = state.bounds[shard]
     local = shard - state.shards[0]
     tensors = sharded_state_tensors(state)
@@ -141,7 +140,7 @@ def _await_manifest(writer, shard: int, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-def _adopt_boundary_shard(writer, state: ShardedPrefixState, timeout_s: float) -> None:
+def _adopt_boundary_shard(writer, state: PrefixState, timeout_s: float) -> None:
     """Make the previous rank's last shard known to this rank's writer, and check lineage."""
     previous = state.shards[0] - 1
     _await_manifest(writer, previous, timeout_s)
@@ -177,7 +176,7 @@ class ShardedPrefillSession:
         storage: StorageConfig,
         key: StateKey,
         group: dist.ProcessGroup | None = None,
-        on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+        on_shard: Callable[[PrefixState, int], None] | None = None,
         manifest_timeout_s: float = 300.0,
         schedule: Literal["sequential", "wavefront"] = "sequential",
         budget: StateBudget | None = None,
@@ -239,7 +238,7 @@ class ShardedPrefillSession:
                 self.close()
             raise
 
-    def _persist(self, local: ShardedPrefixState, shard: int) -> None:
+    def _persist(self, local: PrefixState, shard: int) -> None:
         if self.writer is not None:
             if shard == local.shards[0] and self.needs_boundary:
                 _adopt_boundary_shard(self.writer, local, self.manifest_timeout_s)
@@ -278,7 +277,7 @@ class ShardedPrefillSession:
         self.filled = end
         self.complete = end == self.num_shards
 
-    def finish(self) -> tuple[ShardedPrefixState, ShardedPrefillOutcome]:
+    def finish(self) -> tuple[PrefixState, ShardedPrefillOutcome]:
         """Fill every shard, then commit the state once (rank 0) and close; again: the same."""
         if self.outcome is not None:
             return self.state, self.outcome
@@ -324,10 +323,10 @@ def persisted_sharded_prefill(
     storage: StorageConfig,
     key: StateKey,
     group: dist.ProcessGroup | None = None,
-    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
+    on_shard: Callable[[PrefixState, int], None] | None = None,
     manifest_timeout_s: float = 300.0,
     schedule: Literal["sequential", "wavefront"] = "sequential",
-) -> tuple[ShardedPrefixState, ShardedPrefillOutcome]:
+) -> tuple[PrefixState, ShardedPrefillOutcome]:
     """This rank's slice of the prompt state for `key`: resumed, computed and persisted.
 
     Call on every rank of `group` with the same arguments. `on_shard(state, s)` runs on the owner

@@ -37,7 +37,6 @@ from longstraw.distributed.gradient_slices import (
     slices_scattered_from_owner,
 )
 from longstraw.distributed.sharded_replay import sharded_sweep, zeros_cotangent
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.group import (
     GradBuffer,
     ReplayRecord,
@@ -49,6 +48,7 @@ from longstraw.engine.group import (
     replay_group_branches,
     trainable_parameters,
 )
+from longstraw.engine.state import PrefixState
 from longstraw.schemas.grpo import GRPOConfig
 
 
@@ -75,7 +75,7 @@ def all_reduce_rank_gradients(
 
 def sharded_group_gradients(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
@@ -95,7 +95,7 @@ def sharded_group_gradients(
 
 def sharded_group_replay(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
@@ -150,7 +150,7 @@ def sharded_group_replay(
 
 def sharded_group_gradient_slices(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
@@ -167,7 +167,7 @@ def sharded_group_gradient_slices(
 
 def sharded_group_slice_replay(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,

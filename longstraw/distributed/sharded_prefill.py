@@ -25,21 +25,21 @@ from longstraw.distributed.cross_rank_attention import (
     serve_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.cache import StateCache
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, prefill_layers
 from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.state import Placement, PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import state_spec
 
 
-def local_prefix_end(state: ShardedPrefixState, shard: int) -> int:
+def local_prefix_end(state: PrefixState, shard: int) -> int:
     """How many of this rank's positions shard `shard`'s queries see: all before it."""
     start = state.bounds[shard][0]
     return max(0, min(start, state.token_end) - state.token_start)
 
 
-def serving_prefixes(state: ShardedPrefixState, shard: int, cotangent=None):
+def serving_prefixes(state: PrefixState, shard: int, cotangent=None):
     """(keys, values, grad_keys, grad_values) per full-attention layer that this rank serves."""
     if state.keys is None:
         return [], [], None, None
@@ -59,7 +59,7 @@ def serving_prefixes(state: ShardedPrefixState, shard: int, cotangent=None):
 
 def serve_shard(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     shard: int,
     *,
     group,
@@ -100,7 +100,7 @@ def serve_shard(
 
 
 def owner_prefill_cache(
-    state: ShardedPrefixState,
+    state: PrefixState,
     shard: int,
     *,
     group,
@@ -134,7 +134,7 @@ def owner_prefill_cache(
     return StateCache(layers, position_offset=start)
 
 
-def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
+def _handoff_linear_state(state: PrefixState, shard: int, group) -> None:
     """Broadcast the linear-attention state at the start of `shard` from the previous owner."""
     if state.conv is None or shard == 0:
         return
@@ -152,7 +152,7 @@ def _handoff_linear_state(state: ShardedPrefixState, shard: int, group) -> None:
             full[:, 0] = buffer
 
 
-def broadcast_final_linear_state(state: ShardedPrefixState, group) -> None:
+def broadcast_final_linear_state(state: PrefixState, group) -> None:
     if state.conv is None:
         return
     last = state.world_size - 1
@@ -178,15 +178,14 @@ def allocate_sharded_state(
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
-) -> ShardedPrefixState:
+) -> PrefixState:
     """This rank's empty slice of the prompt state (what `sharded_prefill` fills), on `device`
     (None: the model's; "meta": shapes only, for a tiered slice)."""
-    return ShardedPrefixState.allocate(
+    return PrefixState.allocate(
         state_spec(model),
         prompt_ids=_prompt_tensor(model, prompt_ids),
         shard_tokens=shard_tokens,
-        rank=dist.get_rank(group),
-        world_size=dist.get_world_size(group),
+        placement=Placement(dist.get_rank(group), dist.get_world_size(group)),
         dtype=next(model.parameters()).dtype,
         device=model.device if device is None else device,
     )
@@ -198,9 +197,9 @@ def prefill_target(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None,
-    resume: ShardedPrefixState | None,
+    resume: PrefixState | None,
     start_shard: int,
-) -> ShardedPrefixState:
+) -> PrefixState:
     """The state a sharded prefill fills: fresh, or `resume` checked against the arguments."""
     ids = _prompt_tensor(model, prompt_ids)
     if resume is None:
@@ -221,11 +220,11 @@ def sharded_prefill(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
-    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
-    resume: ShardedPrefixState | None = None,
+    on_shard: Callable[[PrefixState, int], None] | None = None,
+    resume: PrefixState | None = None,
     start_shard: int = 0,
     end_shard: int | None = None,
-) -> ShardedPrefixState:
+) -> PrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`; call on every rank together.
 
     `on_shard(state, s)` runs on the owner after its shard s is complete (persistence). To resume,

@@ -29,7 +29,6 @@ from longstraw.distributed.cross_rank_attention import (
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer
 from longstraw.distributed.exchange import CrossRankExchange, cross_rank_kind_kwargs
 from longstraw.distributed.sharded_prefill import local_prefix_end, serve_shard
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.cache import ForkedLinearAttentionLayer, StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, branch_layers, sweep_layers
@@ -45,11 +44,12 @@ from longstraw.engine.replay import (
     replay_logits,
     token_logprobs,
 )
+from longstraw.engine.state import PrefixState
 from longstraw.engine.sweep import mlps_recomputed_in_blocks
 from longstraw.ops.blockwise_backward import BLOCK_TOKENS
 
 
-def zeros_cotangent(state: ShardedPrefixState) -> PromptCotangent:
+def zeros_cotangent(state: PrefixState) -> PromptCotangent:
     """fp32 dS for this rank's slice: K/V (or MLA latents and rope keys) of its positions, and
     the linear state (constant); in the slice's lower tier when it is tiered. Indexer keys have
     none (the indexer runs under no_grad)."""
@@ -65,7 +65,7 @@ class ShardedBranch:
 
     def __init__(
         self,
-        state: ShardedPrefixState,
+        state: PrefixState,
         cotangent: PromptCotangent | None,
         group,
         *,
@@ -92,7 +92,7 @@ class ShardedBranch:
 
 def sharded_branch_logprobs(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     response_ids: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
@@ -113,7 +113,7 @@ def sharded_branch_logprobs(
 
 def _sweep_owned_shard(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     cotangent: PromptCotangent,
     shard: int,
     group,
@@ -171,7 +171,7 @@ def _sweep_owned_shard(
 
 
 def _hand_back_linear_cotangent(
-    state: ShardedPrefixState, cotangent: PromptCotangent, shard: int, group
+    state: PrefixState, cotangent: PromptCotangent, shard: int, group
 ) -> None:
     """After sweeping `shard`: if it starts its owner's range, its start-state cotangent is the
     end-state cotangent of the previous owner's last shard; send it there."""
@@ -190,7 +190,7 @@ def _hand_back_linear_cotangent(
 
 def sharded_sweep(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     cotangent: PromptCotangent,
     *,
     group: dist.ProcessGroup | None = None,

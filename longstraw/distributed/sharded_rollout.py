@@ -29,15 +29,15 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.exchange import CrossRankExchange, ReplicaDivergenceError
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine.rollout import Response, SamplingParams, sample_responses
+from longstraw.engine.state import PrefixState
 
 __all__ = ["ReplicaDivergenceError", "sharded_sample_responses"]
 
 
 def sharded_sample_responses(
     model: PreTrainedModel,
-    state: ShardedPrefixState,
+    state: PrefixState,
     params: SamplingParams,
     *,
     group: dist.ProcessGroup | None = None,

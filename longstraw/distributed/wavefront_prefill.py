@@ -84,9 +84,9 @@ from longstraw.distributed.sharded_prefill import (
     owner_prefill_cache,
     prefill_target,
 )
-from longstraw.distributed.sharded_state import ShardedPrefixState, rank_shard_ranges
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.state import PrefixState, rank_shard_ranges
 from longstraw.models.adapters import decoder_of
 from longstraw.models.glm import is_glm
 from longstraw.ops.partial_attention import causal_partial, merge_partials, prefix_partial
@@ -117,7 +117,7 @@ class _ShardThread:
     last layer. Exactly one of a rank's threads runs at a time: `resume` waits for the report.
     """
 
-    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, shard: int, group):
+    def __init__(self, model: PreTrainedModel, state: PrefixState, shard: int, group):
         self.shard = shard
         # GLM-5's MLA layers exchange through the main thread (pauses), not collectives.
         cache = owner_prefill_cache(state, shard, group=group, mla_layer_class=_WavefrontMlaLayer)
@@ -293,7 +293,7 @@ def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
 class _Plan:
     """What every rank derives identically: which layer each rank runs at a step, message shapes."""
 
-    def __init__(self, model: PreTrainedModel, state: ShardedPrefixState, start_shard: int) -> None:
+    def __init__(self, model: PreTrainedModel, state: PrefixState, start_shard: int) -> None:
         spec = state.spec
         self.state = state
         # The shards each rank computes (resume: those from `start_shard` on; a rank whose
@@ -693,11 +693,11 @@ def wavefront_prefill(
     *,
     shard_tokens: int,
     group: dist.ProcessGroup | None = None,
-    on_shard: Callable[[ShardedPrefixState, int], None] | None = None,
-    resume: ShardedPrefixState | None = None,
+    on_shard: Callable[[PrefixState, int], None] | None = None,
+    resume: PrefixState | None = None,
     start_shard: int = 0,
     attention_window: int | None = None,
-) -> ShardedPrefixState:
+) -> PrefixState:
     """This rank's slice of the prompt state of `prompt_ids[:-1]`, bitwise `sharded_prefill`'s
     (same placement, same bits), computed on the layer wavefront; call on every rank together.
 

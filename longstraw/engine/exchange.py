@@ -1,7 +1,7 @@
 """How a branch reads the prompt prefix: the one seam between one process and several ranks.
 
-A prompt state is whole on this process (`PrefixState`, world size 1) or split over the ranks of
-a sequence group (`longstraw.distributed.sharded_state.ShardedPrefixState`). What a group's
+A prompt state (`PrefixState`) is whole on this process (its placement: world size 1) or split
+over the ranks of a sequence group (each rank holds its part). What a group's
 branches do with it — replay a response, replay a long one segment by segment, replay the
 responses as a prefix tree of their shared turns — is written once, in `engine.group`,
 `engine.segmented_replay` and `engine.branch_tree`. Only the reading of the prefix differs, and a

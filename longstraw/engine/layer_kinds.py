@@ -5,7 +5,7 @@ Legend: L layers of the kind, T state tokens (this rank's, for a sharded state),
 heads, Dk / Dv delta-rule key / value dims, R latent rank, E rope dim, Di indexer dim.
 
 Users of these objects, single process and sequence-sharded alike:
-- `allocate`: `engine.state.PrefixState`, `distributed.sharded_state.ShardedPrefixState`;
+- `allocate`: `engine.state.PrefixState` (a whole state or a rank's part);
 - `prefill_layer`: `engine.prefill`, `distributed.sharded_prefill.owner_prefill_cache`;
 - `branch_layer`: `engine.replay.branch_cache`, `distributed.sharded_replay.ShardedBranch`;
 - `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard);

@@ -1,12 +1,22 @@
-"""The frozen prompt state: what survives the prefill of `prompt[:-1]`.
+"""The frozen prompt state: what survives the prefill of `prompt[:-1]`, and where it lives.
 
-Legend: L layers of one kind, T = P - 1 state tokens, K kv heads, D head dim, S shards,
-C conv channels, W conv tail (kernel - 1), H value heads, Dk/Dv key/value head dims.
+Legend: L layers of one kind, T = P - 1 state tokens, T_r the positions this rank holds,
+K kv heads, D head dim, S shards, n_r the shards this rank owns, C conv channels, W conv tail
+(kernel - 1), H value heads, Dk/Dv key/value head dims.
+
+One state type at every world size. Its `Placement` says which part of the prompt this process
+holds: rank r of a sequence group of N owns a contiguous range of prefill shards (the first
+S % N ranks one more) and so the positions [token_start, token_end): their full-attention K/V
+(GLM-5: MLA latents, rope keys and DSA indexer keys) and the Gated DeltaNet checkpoints at the
+start of each of its shards plus the end of its last one. One process (`WHOLE`, world size 1)
+holds every shard: T_r = T, n_r = S.
 
 Full-attention K/V are preallocated once at their final size and filled shard by shard, so the
 prefill never concatenates or copies them. Linear-attention state is checkpointed at every shard
-boundary: index s is the state at the start of shard s, index S the final state that branches
-start from. Checkpoints live beside the model (CPU here) and are reported by `checkpoint_bytes`.
+boundary: local index i is the state at the start of shard `shards[i]`, index n_r the end of the
+last one. Branches start from the FINAL linear-attention state, which every rank keeps
+(`final_conv` / `final_recurrent`; on one process the last checkpoint is it). Checkpoints live
+beside the model and are reported by `checkpoint_bytes`.
 """
 
 from __future__ import annotations
@@ -40,6 +50,48 @@ def token_rows(array, start: int, end: int) -> torch.Tensor:
     return array[:, start:end]
 
 
+def rank_shard_ranges(num_shards: int, world_size: int) -> tuple[range, ...]:
+    """The prefill shards each rank owns: contiguous, balanced, in rank order (one process
+    owns every shard, none for a one-token prompt)."""
+    if num_shards < world_size and world_size > 1:
+        raise ValueError(
+            f"{num_shards} prefill shards cannot be split over {world_size} ranks; use a smaller "
+            "shard_tokens or fewer ranks (every rank must own at least one shard)"
+        )
+    base, extra = divmod(num_shards, world_size)
+    ranges, start = [], 0
+    for rank in range(world_size):
+        count = base + (1 if rank < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return tuple(ranges)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rank `rank` of a sequence group of `world_size` ranks that share each prompt's state."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.world_size} ranks")
+
+    def shards(self, num_shards: int) -> range:
+        """The global indices of the prefill shards this rank owns."""
+        return rank_shard_ranges(num_shards, self.world_size)[self.rank]
+
+    def owner_of(self, shard: int, num_shards: int) -> int:
+        """The rank that owns prefill shard `shard`."""
+        ranges = rank_shard_ranges(num_shards, self.world_size)
+        return next(r for r, owned in enumerate(ranges) if shard in owned)
+
+
+WHOLE = Placement()
+"""One process holds the whole state (world size 1)."""
+
+
 def shard_bounds(num_tokens: int, shard_tokens: int) -> tuple[tuple[int, int], ...]:
     """[start, end) of each prefill shard over `num_tokens` positions; the last may be shorter."""
     if shard_tokens < 1:
@@ -52,29 +104,39 @@ def shard_bounds(num_tokens: int, shard_tokens: int) -> tuple[tuple[int, int], .
 
 @dataclass
 class PrefixState:
-    """Per-layer state of a prompt's first P - 1 tokens, computed once without autograd."""
+    """Per-layer state of a prompt's first P - 1 tokens, computed once without autograd: the
+    part of it that `placement` puts on this process (see the module docstring)."""
 
     spec: StateSpec
     prompt_ids: torch.Tensor
     """[P] int64 prompt tokens: the reverse sweep recomputes shards from them (8 bytes/token)."""
     shard_tokens: int
     bounds: tuple[tuple[int, int], ...]
+    """Global [start, end) of every prefill shard."""
     keys: torch.Tensor | None
-    """[L, T, K, D] full-attention keys after RoPE and k-norm, model dtype."""
+    """[L, T_r, K, D] full-attention keys after RoPE and k-norm, model dtype."""
     values: torch.Tensor | None
-    """[L, T, K, Dv] full-attention values, model dtype."""
+    """[L, T_r, K, Dv] full-attention values, model dtype."""
     conv: torch.Tensor | None
-    """[L, S + 1, C, W] conv tails at every shard start and the end, model dtype."""
+    """[L, n_r + 1, C, W] conv tails at the start of every owned shard and the end of the last,
+    model dtype."""
     recurrent: torch.Tensor | None
-    """[L, S + 1, H, Dk, Dv] Gated DeltaNet recurrent state at every shard start and the end, fp32."""
+    """[L, n_r + 1, H, Dk, Dv] Gated DeltaNet recurrent state, fp32, indexed like `conv`."""
     latent: torch.Tensor | None = None
-    """[L, T, R] MLA latent after `kv_a_layernorm` (GLM-5), model dtype; nothing decompressed."""
+    """[L, T_r, R] MLA latent after `kv_a_layernorm` (GLM-5), model dtype; nothing decompressed."""
     rope_key: torch.Tensor | None = None
-    """[L, T, E] MLA shared rope key after RoPE, model dtype."""
+    """[L, T_r, E] MLA shared rope key after RoPE, model dtype."""
     indexer_key: torch.Tensor | None = None
-    """[L_idx, T, Di] DSA indexer keys of the layers with their own indexer, model dtype."""
+    """[L_idx, T_r, Di] DSA indexer keys of the layers with their own indexer, model dtype."""
     tiers: object | None = None
-    """The `longstraw.engine.state_tiers.TieredState` streaming this state; None: resident."""
+    """The `longstraw.engine.state_tiers.TieredState` streaming this state (each rank streams
+    its own part); None: resident."""
+    placement: Placement = WHOLE
+    final_conv: torch.Tensor | None = None
+    """[L, C, W] the conv tails after the whole prompt, kept on every rank of a group; None: the
+    last checkpoint is the final state (one process)."""
+    final_recurrent: torch.Tensor | None = None
+    """[L, H, Dk, Dv] fp32, as `final_conv`."""
 
     @property
     def prompt_len(self) -> int:
@@ -94,6 +156,43 @@ class PrefixState:
     def num_shards(self) -> int:
         return len(self.bounds)
 
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def shards(self) -> range:
+        """Global indices of the shards this process holds."""
+        return self.placement.shards(self.num_shards)
+
+    @property
+    def token_start(self) -> int:
+        """The first position this process holds (0 on one process)."""
+        shards = self.shards
+        return self.bounds[shards[0]][0] if shards else 0
+
+    @property
+    def token_end(self) -> int:
+        shards = self.shards
+        return self.bounds[shards[-1]][1] if shards else 0
+
+    def owner_of(self, shard: int) -> int:
+        """The rank that holds prefill shard `shard`."""
+        return self.placement.owner_of(shard, self.num_shards)
+
+    def local_checkpoint(self, shard: int) -> int:
+        """The index in `conv` / `recurrent` of the checkpoint at the start of global `shard`
+        (one past the last owned shard: the end of it)."""
+        return shard - self.shards[0]
+
+    def local_rows(self, start: int, end: int) -> slice:
+        """The rows of the per-token arrays that hold global positions [start, end)."""
+        return slice(start - self.token_start, end - self.token_start)
+
     @classmethod
     def allocate(
         cls,
@@ -103,24 +202,42 @@ class PrefixState:
         shard_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        placement: Placement = WHOLE,
     ) -> PrefixState:
-        num_tokens = prompt_ids.numel() - 1
-        bounds = shard_bounds(num_tokens, shard_tokens)
+        """The zero state of this process's part of the prompt (`placement`)."""
+        bounds = shard_bounds(prompt_ids.numel() - 1, shard_tokens)
+        shards = placement.shards(len(bounds))
         arrays = allocate_state_arrays(
-            spec, num_tokens=num_tokens, num_checkpoints=len(bounds) + 1, dtype=dtype, device=device
+            spec,
+            num_tokens=bounds[shards[-1]][1] - bounds[shards[0]][0] if shards else 0,
+            num_checkpoints=len(shards) + 1,
+            dtype=dtype,
+            device=device,
         )
-        return cls(spec, prompt_ids.cpu(), shard_tokens, bounds, **arrays)
+        finals = {}
+        if placement.world_size > 1:
+            conv, recurrent = arrays["conv"], arrays["recurrent"]
+            finals = {
+                "final_conv": None if conv is None else torch.zeros_like(conv[:, 0]),
+                "final_recurrent": None if recurrent is None else torch.zeros_like(recurrent[:, 0]),
+            }
+        return cls(
+            spec, prompt_ids.cpu(), shard_tokens, bounds, placement=placement, **arrays, **finals
+        )
 
     def final_linear_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([C, W], [H, Dk, Dv]) Gated DeltaNet layer `slot`'s state after the whole prompt."""
-        return self.conv[slot, self.num_shards], self.recurrent[slot, self.num_shards]
+        conv, recurrent = self.final_linear_state_all()
+        return conv[slot], recurrent[slot]
 
     def final_linear_state_all(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([L, C, W], [L, H, Dk, Dv]) every Gated DeltaNet layer's state after the prompt
         ((None, None) without such layers)."""
+        if self.final_conv is not None:
+            return self.final_conv, self.final_recurrent
         if self.conv is None:
             return None, None
-        return self.conv[:, self.num_shards], self.recurrent[:, self.num_shards]
+        return self.conv[:, -1], self.recurrent[:, -1]
 
     @classmethod
     def from_tensors(
@@ -145,30 +262,15 @@ class PrefixState:
             **fields,
         )
 
-    def prefix_keys(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
-        """[T', K, D] view of the keys of model layer `layer_idx` before position `end`."""
-        slot = self.spec.full_attention_slot(layer_idx)
-        return self.keys[slot, : self.num_tokens if end is None else end]
-
-    def prefix_values(self, layer_idx: int, end: int | None = None) -> torch.Tensor:
-        slot = self.spec.full_attention_slot(layer_idx)
-        return self.values[slot, : self.num_tokens if end is None else end]
-
-    def conv_at(self, layer_idx: int, shard: int) -> torch.Tensor:
-        """[C, W] conv tail of `layer_idx` at the start of `shard` (shard == S: the final tail)."""
-        return self.conv[self.spec.linear_attention_slot(layer_idx), shard]
-
-    def recurrent_at(self, layer_idx: int, shard: int) -> torch.Tensor:
-        """[H, Dk, Dv] fp32 recurrent state of `layer_idx` at the start of `shard`."""
-        return self.recurrent[self.spec.linear_attention_slot(layer_idx), shard]
-
     def state_bytes(self) -> int:
-        """Bytes of the per-token part (K/V, MLA latents): what grows with the prompt."""
+        """Bytes of this process's per-token part (K/V, MLA latents): what grows with the
+        prompt."""
         return nbytes(getattr(self, a.field) for a in TOKEN_ARRAYS)
 
     def checkpoint_bytes(self) -> int:
-        """Bytes of the per-shard linear-attention checkpoints (host memory)."""
-        return nbytes(getattr(self, a.field) for a in CHECKPOINT_ARRAYS)
+        """Bytes of the linear-attention checkpoints and the final state kept beside them."""
+        checkpoints = [getattr(self, a.field) for a in CHECKPOINT_ARRAYS]
+        return nbytes([*checkpoints, self.final_conv, self.final_recurrent])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's arrays by storage name (docs/design.md, "Storage")."""

@@ -6,8 +6,9 @@ its checkpoint and the updates since, a prompt state from the committed Zarr sta
 manifests (prefill resumes after the last recorded shard). So a stage gives the same result in
 any process from the same refs.
 
-With `parallel.world_size > 1` each rank holds its own slice of every prompt state
-(`ShardedPrefixState`) and its shard of the policy (`distributed.sharded_policy`).
+With `parallel.world_size > 1` each rank holds its own part of every prompt state (a
+`PrefixState` whose placement names the rank) and its shard of the policy
+(`distributed.sharded_policy`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def sharded_session(ctx: RunContext, example: PromptExample):
 
 
 def sharded_state(ctx: RunContext, example: PromptExample):
-    """(this rank's `ShardedPrefixState`, its prefill outcome) at the run's current version;
+    """(this rank's part of the prompt state, its prefill outcome) at the run's current version;
     computed, resumed or read back by every rank together."""
     return sharded_session(ctx, example).finish()
 

@@ -24,7 +24,7 @@ def _wavefront_bytes(model, state) -> int:
     queries to every earlier rank (H·R·D·4 each) and its partials (H·R·(V+1)·4) for every shard
     of every later rank; per Gated DeltaNet layer its end state to the next rank. Nothing grows
     with the positions a rank holds: no K/V moves."""
-    from longstraw.distributed.sharded_state import rank_shard_ranges
+    from longstraw.engine.state import rank_shard_ranges
 
     spec, rank, world = state.spec, state.rank, state.world_size
     heads = model.config.get_text_config().num_attention_heads
@@ -55,7 +55,7 @@ def _glm_wavefront_bytes(model, state) -> int:
     DSA selection (start + S > K) the selection goes too (S·K·8 B), and on a layer with its own
     indexer, first its indexer queries (S·Hi·(Di+1)·4 B) for the local top-k candidates
     (S·K·2·8 B). Bytes this rank SENDS: its requests to earlier ranks, its answers to later ones."""
-    from longstraw.distributed.sharded_state import rank_shard_ranges
+    from longstraw.engine.state import rank_shard_ranges
 
     mla, world, rank = state.spec.mla, state.world_size, state.rank
     heads = model.config.get_text_config().num_attention_heads

@@ -8,7 +8,6 @@ import typing
 import torch
 from transformers import AutoConfig
 
-from longstraw.distributed.sharded_state import ShardedPrefixState
 from longstraw.engine import layer_kinds
 from longstraw.engine.layer_kinds import (
     LAYER_KINDS,
@@ -72,13 +71,12 @@ def test_allocated_arrays_are_the_state_fields_of_the_models_kinds(checkpoint_di
 def test_declared_arrays_are_fields_of_the_state_and_its_cotangent():
     state_fields = {f.name for f in dataclasses.fields(PrefixState)}
     cotangent_fields = {f.name for f in dataclasses.fields(PromptCotangent)}
-    sharded_fields = {f.name for f in dataclasses.fields(ShardedPrefixState)}
     storage_names = [a.storage_name for a in STATE_ARRAYS]
     assert len(set(storage_names)) == len(storage_names) == len(STATE_FIELDS)
     for kind in LAYER_KINDS:
         for array in kind.arrays:
             assert array.storage_name.startswith(f"{kind.field}/") or kind.field == "mla"
-            assert array.field in state_fields and array.field in sharded_fields, array
+            assert array.field in state_fields, array
             assert (array.field in cotangent_fields) == array.has_cotangent, array
 
 
