@@ -7,7 +7,7 @@ See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
 `persisted_sharded_prefill` (one writer per chunk, resume), `wavefront_prefill` (the same
 state on a layer wavefront: all ranks compute at once), `sharded_sample_responses`
 (rollout over the sharded prefix), `sharded_branch_logprobs`,
-`sharded_sweep`, `sharded_group_gradients`, `all_reduce_rank_gradients`,
+`sharded_group_gradients`, `all_reduce_rank_gradients`,
 `sharded_group_gradient_slices` (fp32 accumulators sharded over the sequence group,
 `longstraw.distributed.gradient_slices`), `scatter_state` / `gather_state`; FSDP2 over a
 ("data", "seq") mesh in `longstraw.distributed.fsdp`.
@@ -25,11 +25,7 @@ from longstraw.distributed.sharded_group import (
     sharded_group_gradients,
 )
 from longstraw.distributed.sharded_prefill import sharded_prefill
-from longstraw.distributed.sharded_replay import (
-    sharded_branch_logprobs,
-    sharded_sweep,
-    zeros_cotangent,
-)
+from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
 from longstraw.distributed.sharded_rollout import (
     ReplicaDivergenceError,
     sharded_sample_responses,
@@ -53,7 +49,6 @@ __all__ = [
     "sharded_group_gradients",
     "sharded_prefill",
     "sharded_sample_responses",
-    "sharded_sweep",
     "wavefront_prefill",
     "zeros_cotangent",
 ]

@@ -21,9 +21,32 @@ from longstraw.distributed.cross_rank_attention import (
     COMM,
     CrossRankAttentionLayer,
     cross_rank_attention_enabled,
+    finish_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, CrossRankSegmentMlaLayer
 from longstraw.engine.exchange import PrefixExchange
+from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS
+
+
+def owner_kind_kwargs(
+    state, shard: int, group, *, mla_layer_class: type[CrossRankMlaLayer] = CrossRankMlaLayer
+) -> dict:
+    """Each kind's cache layer on the rank that holds `shard` and computes it (prefill) or
+    recomputes it (sweep) while the other ranks serve their prefix (owner mode)."""
+    ranks = {"group": group, "owner": state.rank}
+    return {
+        "full_attention": lambda slot: {
+            "layer_class": CrossRankAttentionLayer,
+            "slot": slot,
+            **ranks,
+        },
+        "mla": {
+            "layer_class": mla_layer_class,
+            "num_prefix": state.bounds[shard][0],
+            "local_start": state.token_start,
+            **ranks,
+        },
+    }
 
 
 def cross_rank_kind_kwargs(state, group, **attention) -> dict:
@@ -113,6 +136,40 @@ class CrossRankExchange(PrefixExchange):
                 f"rank 0 drew {parts[0].tolist()}; seed every rank's generator identically and "
                 "use the same model weights, dtype and sampling parameters on every rank"
             )
+
+    def sweep_kind_kwargs(self, state, shard: int) -> dict:
+        return owner_kind_kwargs(state, shard, self.group)
+
+    def recomputed_layers(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
+        # A layer's recomputation in backward would read the prefix across the ranks again, out
+        # of step with the servers: the shard keeps its layers' activations instead.
+        del model
+        return contextlib.nullcontext()
+
+    def shard_name(self, state, shard: int) -> str:
+        return f"shard {shard} on rank {state.rank}"
+
+    def finish_owned_shard(self, state) -> None:
+        finish_owner(state.rank, self.group)
+
+    def serve_shard(self, model, state, shard: int, cotangent, on_gradient_slices) -> None:
+        from longstraw.distributed.sharded_prefill import serve_shard
+
+        serve_shard(
+            model, state, shard, group=self.group, cotangent=cotangent,
+            on_gradient_slices=on_gradient_slices,
+        )  # fmt: skip
+
+    def hand_back_start_cotangent(self, state, cotangent, shard: int) -> None:
+        if cotangent.conv is None:
+            return
+        owner, previous = state.owner_of(shard), state.owner_of(shard - 1)
+        for array in CHECKPOINT_ARRAYS:
+            buffer = getattr(cotangent, array.field)
+            incoming = buffer if state.rank == owner else torch.empty_like(buffer)
+            dist.broadcast(incoming, group=self.group, group_src=owner)
+            if state.rank == previous:
+                buffer.copy_(incoming)
 
     @property
     def is_leader(self) -> bool:

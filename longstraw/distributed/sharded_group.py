@@ -36,7 +36,7 @@ from longstraw.distributed.gradient_slices import (
     slices_drained_into,
     slices_scattered_from_owner,
 )
-from longstraw.distributed.sharded_replay import sharded_sweep, zeros_cotangent
+from longstraw.distributed.sharded_replay import zeros_cotangent
 from longstraw.engine.group import (
     GradBuffer,
     ReplayRecord,
@@ -49,6 +49,7 @@ from longstraw.engine.group import (
     trainable_parameters,
 )
 from longstraw.engine.state import PrefixState
+from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.schemas.grpo import GRPOConfig
 
 
@@ -134,11 +135,11 @@ def sharded_group_replay(
             )  # fmt: skip
         started = time.perf_counter()
         if cotangent is not None:
-            sharded_sweep(
+            sweep_prompt_shards(
                 model,
                 state,
                 cotangent,
-                group=group,
+                exchange=CrossRankExchange(group),
                 after_shard=lambda _: drain_grads_into(params, sweep_grads),
             )
         _record_sweep(record, cotangent, started)
@@ -215,11 +216,11 @@ def sharded_group_slice_replay(
         started = time.perf_counter()
         if cotangent is not None:
             with slices_scattered_from_owner(params, slices, group=group):
-                sharded_sweep(
+                sweep_prompt_shards(
                     model,
                     state,
                     cotangent,
-                    group=group,
+                    exchange=CrossRankExchange(group),
                     on_gradient_slices=receive_gradient_slices(params, slices, group=group),
                 )
         _record_sweep(record, cotangent, started)

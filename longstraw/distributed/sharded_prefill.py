@@ -19,12 +19,12 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import (
-    CrossRankAttentionLayer,
     cross_rank_attention_enabled,
     finish_owner,
     serve_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
+from longstraw.distributed.exchange import owner_kind_kwargs
 from longstraw.engine.cache import StateCache
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS, prefill_layers
 from longstraw.engine.prefill import run_shard_forward
@@ -33,17 +33,11 @@ from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.models.adapters import state_spec
 
 
-def local_prefix_end(state: PrefixState, shard: int) -> int:
-    """How many of this rank's positions shard `shard`'s queries see: all before it."""
-    start = state.bounds[shard][0]
-    return max(0, min(start, state.token_end) - state.token_start)
-
-
 def serving_prefixes(state: PrefixState, shard: int, cotangent=None):
     """(keys, values, grad_keys, grad_values) per full-attention layer that this rank serves."""
     if state.keys is None:
         return [], [], None, None
-    end = local_prefix_end(state, shard)
+    end = state.local_prefix_end(shard)
     num = state.keys.shape[0]
     keys = [state.keys[i, :end] for i in range(num)]
     values = [state.values[i, :end] for i in range(num)]
@@ -79,7 +73,7 @@ def serve_shard(
         )  # fmt: skip
     # GLM-5: MLA layers only (no model family mixes MLA with K/V layers).
     assert state.keys is None, "a model with both MLA and K/V layers is not supported"
-    end = local_prefix_end(state, shard)
+    end = state.local_prefix_end(shard)
     mla = state.spec.mla
     index = [
         state.indexer_key[mla.indexer_slot(i), :end] if i in mla.indexer_layer_indices else None
@@ -110,26 +104,12 @@ def owner_prefill_cache(
     end-of-shard linear checkpoints into this rank's `state`: what the owner runs the shard's
     forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
     start, end = state.bounds[shard]
-    offset = state.token_start
-    ranks = {"group": group, "owner": state.rank}
     layers = prefill_layers(
         state,
-        prefix_end=local_prefix_end(state, shard),
-        rows=slice(start - offset, end - offset),
-        checkpoint=shard - state.shards[0],
-        kind_kwargs={
-            "full_attention": lambda slot: {
-                "layer_class": CrossRankAttentionLayer,
-                "slot": slot,
-                **ranks,
-            },
-            "mla": {
-                "layer_class": mla_layer_class,
-                "num_prefix": start,
-                "local_start": offset,
-                **ranks,
-            },
-        },
+        prefix_end=state.local_prefix_end(shard),
+        rows=state.local_rows(start, end),
+        checkpoint=state.local_checkpoint(shard),
+        kind_kwargs=owner_kind_kwargs(state, shard, group, mla_layer_class=mla_layer_class),
     )
     return StateCache(layers, position_offset=start)
 

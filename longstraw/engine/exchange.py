@@ -17,7 +17,10 @@ responses as a prefix tree of their shared turns — is written once, in `engine
 - `decoding_cache` and `check_draws`: the cache a sampler decodes on (rows keep their own K/V)
   and the check, after every draw, that all ranks drew the same tokens;
 - `on_leader`: a call with side effects (a user's environment) made once, on the group's first
-  rank, and its result handed to every rank.
+  rank, and its result handed to every rank;
+- the reverse sweep's parts (`engine.sweep`): the cache layers a shard is recomputed with on the
+  rank that holds it, whether its decoder layers may recompute in backward, serving a shard
+  held elsewhere, and handing a shard's start-state cotangent back to the previous owner.
 
 `LOCAL` is world size 1; `longstraw.distributed.exchange.CrossRankExchange(group)` is the ranks'
 (replicated: every rank runs the same branch). The caller that knows the state's placement picks
@@ -91,6 +94,38 @@ class PrefixExchange:
         """`call()` made once (here), its result returned; `call` must not raise (return the
         error instead) so that every rank goes on the same way."""
         return call()
+
+    def sweep_kind_kwargs(self, state, shard: int) -> dict | None:
+        """Per layer kind field, extra arguments of its `sweep_layer` for recomputing `shard`
+        (None: the defaults, LongStraw's prefix attention over this process's state)."""
+        del state, shard
+        return None
+
+    def recomputed_layers(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
+        """Around a sweep shard's forward: each decoder layer keeps only its input and
+        recomputes in backward (`engine.sweep.layerwise_recompute`), so the shard's graph holds
+        one layer's activations at a time."""
+        from longstraw.engine import sweep
+
+        return sweep.layerwise_recompute(model)
+
+    def shard_name(self, state, shard: int) -> str:
+        """How errors name shard `shard`."""
+        del state
+        return f"shard {shard}"
+
+    def finish_owned_shard(self, state) -> None:
+        """After this process swept a shard it holds (the ranks: release the servers)."""
+        del state
+
+    def serve_shard(self, model, state, shard: int, cotangent, on_gradient_slices) -> None:
+        """Answer the sweep of `shard`, held by another rank."""
+        raise AssertionError(f"shard {shard} is held by another rank, but there is one process")
+
+    def hand_back_start_cotangent(self, state, cotangent, shard: int) -> None:
+        """`shard` starts its owner's range: its start-state cotangent is the end-state
+        cotangent of the previous owner's last shard."""
+        raise AssertionError(f"shard {shard} starts another rank's range, but there is one process")
 
 
 LOCAL = PrefixExchange()

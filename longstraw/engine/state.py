@@ -189,6 +189,12 @@ class PrefixState:
         (one past the last owned shard: the end of it)."""
         return shard - self.shards[0]
 
+    def local_prefix_end(self, shard: int) -> int:
+        """How many of this process's positions shard `shard`'s queries see: all before it
+        (on one process: the shard's start)."""
+        start = self.bounds[shard][0]
+        return max(0, min(start, self.token_end) - self.token_start)
+
     def local_rows(self, start: int, end: int) -> slice:
         """The rows of the per-token arrays that hold global positions [start, end)."""
         return slice(start - self.token_start, end - self.token_start)

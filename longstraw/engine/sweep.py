@@ -12,6 +12,14 @@ into the parameters, earlier K/V and the start state; free the graph.
 When shard s is processed, its positions' cotangent is complete: only branches and later shards
 read them, and both have been backpropagated. Memory: the state, its fp32 cotangent, one shard's
 graph.
+
+One sweep at every world size. On a sequence group each shard is recomputed by the rank that
+holds it, through the cross-rank attention in owner mode; every other rank serves it, adding the
+cotangent for ITS positions that the shard's queries read into its own slice of dS (so
+contributions for earlier ranks' K/V land on those ranks without moving K/V). At an ownership
+boundary the cotangent of the linear-attention start state goes back to the previous owner,
+whose last shard's end state it is. The `PrefixExchange` supplies what differs (the attention,
+the cache layers, the serving and the hand-back); one process owns every shard.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from transformers import PreTrainedModel
 from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.cache import StateCache
 from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.recomputed_span import (
@@ -94,9 +103,10 @@ def _patch_mlps(model: PreTrainedModel) -> list[Callable[[], None]]:
 
 
 @contextlib.contextmanager
-def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
-    """The forward the sweep recomputes: LongStraw's attention and routing, and the MLPs and
-    delta rule that keep only their inputs and recompute block by block in backward
+def sweep_forward(model: PreTrainedModel, exchange: PrefixExchange = LOCAL) -> Iterator[None]:
+    """The forward the sweep recomputes: LongStraw's attention (the exchange's: over this
+    process's prefix or across the ranks) and routing, and the MLPs and delta rule that keep
+    only their inputs and recompute block by block in backward
     (`longstraw.ops.blockwise_backward`): one layer's graph is then that of `BLOCK_TOKENS`
     tokens for its MLP and recurrence. Forwards are unchanged (the same functions on the same
     inputs), so the recomputed shard still reproduces the stored state bitwise.
@@ -105,7 +115,7 @@ def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
     run during backward, outside the caller's blocks, and enter this again.
     """
     with (
-        prefix_attention_enabled(model),
+        exchange.attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: SWEEP_BLOCK_TOKENS),
         mlps_recomputed_in_blocks(model),
     ):
@@ -115,8 +125,7 @@ def sweep_forward(model: PreTrainedModel) -> Iterator[None]:
 @contextlib.contextmanager
 def mlps_recomputed_in_blocks(model: PreTrainedModel) -> Iterator[None]:
     """Inside the block every decoder layer's MLP keeps only its input and recomputes
-    `SWEEP_BLOCK_TOKENS` rows at a time in backward (no communication: the sharded sweep uses it
-    beside its cross-rank attention)."""
+    `SWEEP_BLOCK_TOKENS` rows at a time in backward (no communication)."""
     undo = _patch_mlps(model)
     try:
         yield
@@ -159,42 +168,75 @@ def sweep_prompt_shards(
     state: PrefixState,
     cotangent: PromptCotangent,
     *,
+    exchange: PrefixExchange = LOCAL,
     after_shard: Callable[[int], None] | None = None,
+    on_gradient_slices: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Backpropagate `cotangent` through every prefill shard, last to first (gradients → .grad)."""
-    for shard in reversed(range(state.num_shards)):
-        _sweep_shard(model, state, cotangent, shard)
-        if after_shard is not None:
-            after_shard(shard)
+    """Backpropagate `cotangent` through every prefill shard, last to first (gradients → .grad
+    of the rank that holds each shard); on a sequence group, call on every rank.
+
+    The linear-attention part of `cotangent` must be the final-state cotangent on the group's
+    last rank (replay leaves it there; the copies on other ranks are discarded here).
+    `after_shard(shard)` runs on the shard's owner after its backward. `on_gradient_slices`:
+    while serving, answer the owner's gradient-slice headers
+    (`longstraw.distributed.gradient_slices`).
+    """
+    if cotangent.conv is not None and state.rank != state.world_size - 1:
+        # Every rank replayed the same branches; only the last rank's copy is the real dS.
+        cotangent.conv.zero_()
+        cotangent.recurrent.zero_()
+    with exchange.attention_enabled(model):
+        for shard in reversed(range(state.num_shards)):
+            if state.owner_of(shard) == state.rank:
+                sweep_shard(model, state, cotangent, shard, exchange)
+                exchange.finish_owned_shard(state)
+                if after_shard is not None:
+                    after_shard(shard)
+            else:
+                exchange.serve_shard(model, state, shard, cotangent, on_gradient_slices)
+            if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
+                exchange.hand_back_start_cotangent(state, cotangent, shard)
 
 
 # What a mismatch between the recomputed and the stored prompt state means.
 STATE_MISMATCH_REMEDY = (
-    "the state was computed with other weights, dtype or kernels: recompute the prefill"
+    "the state was computed with other weights, dtype, kernels, ranks or shard size: recompute "
+    "the prefill"
 )
 
 
-def _sweep_shard(
-    model: PreTrainedModel, state: PrefixState, cotangent: PromptCotangent, shard: int
+def sweep_shard(
+    model: PreTrainedModel,
+    state: PrefixState,
+    cotangent: PromptCotangent,
+    shard: int,
+    exchange: PrefixExchange = LOCAL,
 ) -> None:
-    """Recompute shard `shard` with autograd, check it, and backpropagate its cotangents."""
+    """Recompute shard `shard` (held here) with autograd, check it bitwise against the stored
+    state, and backpropagate its cotangents."""
     start, end = state.bounds[shard]
     outputs = SpanOutputs()
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     layers = sweep_layers(
-        state, cotangent, prefix_end=start, checkpoint=shard, leaves=leaves, record=outputs
+        state,
+        cotangent,
+        prefix_end=state.local_prefix_end(shard),
+        checkpoint=state.local_checkpoint(shard),
+        leaves=leaves,
+        record=outputs,
+        kind_kwargs=exchange.sweep_kind_kwargs(state, shard),
     )
-    with torch.enable_grad(), sweep_forward(model), layerwise_recompute(model):
+    with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
         cache = StateCache(layers, position_offset=start)
         run_shard_forward(model, state.prompt_ids, cache, start, end)
-    with _mlp_skipped_in_layer_recompute():
+    with exchange.attention_enabled(model), _mlp_skipped_in_layer_recompute():
         backward_recomputed_span(
             outputs,
             state,
             cotangent,
-            rows=slice(start, end),
-            end_checkpoint=shard + 1,
-            what=f"shard {shard}",
+            rows=state.local_rows(start, end),
+            end_checkpoint=state.local_checkpoint(shard) + 1,
+            what=exchange.shard_name(state, shard),
             remedy=STATE_MISMATCH_REMEDY,
         )
     take_start_cotangent(leaves, cotangent)

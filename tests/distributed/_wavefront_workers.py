@@ -98,7 +98,7 @@ def wavefront_against_sequential(
     index_topk: int | None = None,
 ):
     """The wavefront state against `sharded_prefill`'s, field by field; optionally the exact-mode
-    group gradients (replay + `sharded_sweep`, which re-checks every shard bitwise) from both."""
+    group gradients (replay + the reverse sweep, which re-checks every shard bitwise) from both."""
     from longstraw.distributed.cross_rank_attention import COMM
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill

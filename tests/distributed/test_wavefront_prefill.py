@@ -99,7 +99,7 @@ def test_wavefront_prefill_state_is_bitwise_the_sequential_state(results):
 
 
 def test_exact_sweep_on_the_wavefront_state_gives_the_sequential_gradients(results):
-    # `sharded_sweep` recomputes every shard and refuses (RecomputedStateMismatchError) one that is not
+    # The reverse sweep recomputes every shard and refuses (RecomputedStateMismatchError) one that is not
     # bitwise the stored state; the gradients then equal those from the sequential state.
     for rank, r in enumerate(results):
         assert r["logps_bitwise"], f"rank {rank}"
