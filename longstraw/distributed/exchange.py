@@ -26,6 +26,7 @@ from longstraw.distributed.cross_rank_attention import (
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, CrossRankSegmentMlaLayer
 from longstraw.engine.exchange import PrefixExchange
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS
+from longstraw.engine.state import Placement
 
 
 def owner_kind_kwargs(
@@ -137,8 +138,38 @@ class CrossRankExchange(PrefixExchange):
                 "use the same model weights, dtype and sampling parameters on every rank"
             )
 
-    def sweep_kind_kwargs(self, state, shard: int) -> dict:
+    def placement(self) -> Placement:
+        return Placement(dist.get_rank(self.group), dist.get_world_size(self.group))
+
+    def owner_kind_kwargs(self, state, shard: int) -> dict:
         return owner_kind_kwargs(state, shard, self.group)
+
+    def hand_over_start_state(self, state, shard: int) -> None:
+        """One broadcast per linear array, from the previous owner: its last checkpoint is
+        the new owner's first."""
+        if state.conv is None:
+            return
+        previous, owner = state.owner_of(shard - 1), state.owner_of(shard)
+        for array in CHECKPOINT_ARRAYS:
+            full = getattr(state, array.field)
+            if state.rank == previous:
+                buffer = full[:, -1].contiguous()
+            else:
+                buffer = torch.empty_like(full[:, 0])
+            dist.broadcast(buffer, group=self.group, group_src=previous)
+            if state.rank == owner:
+                full[:, 0] = buffer
+
+    def share_final_state(self, state) -> None:
+        """The last rank's final linear-attention state, broadcast to every rank."""
+        if state.conv is None:
+            return
+        last = state.world_size - 1
+        for array in CHECKPOINT_ARRAYS:
+            final = getattr(state, f"final_{array.field}")
+            if state.rank == last:
+                final.copy_(getattr(state, array.field)[:, -1])
+            dist.broadcast(final, group=self.group, group_src=last)
 
     def recomputed_layers(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         # A layer's recomputation in backward would read the prefix across the ranks again, out

@@ -79,13 +79,10 @@ from longstraw.distributed.cross_rank_mla import (
     rank_partial,
     serve_candidates,
 )
-from longstraw.distributed.sharded_prefill import (
-    broadcast_final_linear_state,
-    owner_prefill_cache,
-    prefill_target,
-)
+from longstraw.distributed.exchange import CrossRankExchange
+from longstraw.distributed.sharded_prefill import owner_prefill_cache
 from longstraw.engine.attention import CACHE_KWARG
-from longstraw.engine.prefill import run_shard_forward
+from longstraw.engine.prefill import prefill_target, prompt_tensor, run_shard_forward
 from longstraw.engine.state import PrefixState, rank_shard_ranges
 from longstraw.models.adapters import decoder_of
 from longstraw.models.glm import is_glm
@@ -714,9 +711,10 @@ def wavefront_prefill(
     """
     if attention_window is not None and attention_window < 1:
         raise ValueError(f"attention_window must be >= 1 or None, got {attention_window}")
+    exchange = CrossRankExchange(group)
     state = prefill_target(
-        model, prompt_ids, shard_tokens=shard_tokens, group=group, resume=resume,
-        start_shard=start_shard,
+        model, prompt_tensor(model, prompt_ids), shard_tokens=shard_tokens, resume=resume,
+        start_shard=start_shard, exchange=exchange,
     )  # fmt: skip
     plan = _Plan(model, state, start_shard)
     threads = [_ShardThread(model, state, shard, group) for shard in plan.computed[state.rank]]
@@ -737,5 +735,5 @@ def wavefront_prefill(
         if on_shard is not None:
             for thread in threads:
                 on_shard(state, thread.shard)
-        broadcast_final_linear_state(state, group)
+        exchange.share_final_state(state)
     return state

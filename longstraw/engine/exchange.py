@@ -95,11 +95,27 @@ class PrefixExchange:
         error instead) so that every rank goes on the same way."""
         return call()
 
-    def sweep_kind_kwargs(self, state, shard: int) -> dict | None:
-        """Per layer kind field, extra arguments of its `sweep_layer` for recomputing `shard`
-        (None: the defaults, LongStraw's prefix attention over this process's state)."""
+    def placement(self):
+        """Which part of a prompt state this process holds (`engine.state.Placement`)."""
+        from longstraw.engine.state import WHOLE
+
+        return WHOLE
+
+    def owner_kind_kwargs(self, state, shard: int) -> dict | None:
+        """Per layer kind field, extra arguments of its `prefill_layer` / `sweep_layer` for
+        computing or recomputing `shard` where it is held (None: the defaults, LongStraw's
+        prefix attention over this process's state)."""
         del state, shard
         return None
+
+    def hand_over_start_state(self, state, shard: int) -> None:
+        """`shard` starts its owner's range: its start state is the previous owner's end state."""
+        raise AssertionError(f"shard {shard} starts another rank's range, but there is one process")
+
+    def share_final_state(self, state) -> None:
+        """After the last shard: the final linear-attention state (one process: its last
+        checkpoint already)."""
+        del state
 
     def recomputed_layers(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         """Around a sweep shard's forward: each decoder layer keeps only its input and
@@ -115,11 +131,13 @@ class PrefixExchange:
         return f"shard {shard}"
 
     def finish_owned_shard(self, state) -> None:
-        """After this process swept a shard it holds (the ranks: release the servers)."""
+        """After this process computed or swept a shard it holds (the ranks: release the
+        servers)."""
         del state
 
     def serve_shard(self, model, state, shard: int, cotangent, on_gradient_slices) -> None:
-        """Answer the sweep of `shard`, held by another rank."""
+        """Answer the prefill (`cotangent` None) or the sweep of `shard`, held by another
+        rank."""
         raise AssertionError(f"shard {shard} is held by another rank, but there is one process")
 
     def hand_back_start_cotangent(self, state, cotangent, shard: int) -> None:

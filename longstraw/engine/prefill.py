@@ -8,6 +8,12 @@ Activations live for one shard; nothing of size P × hidden outlives it.
 
 `torch.no_grad()`, not `inference_mode`: inference tensors cannot be saved for backward, and
 every branch replay saves the prefix state's views for its backward.
+
+One prefill at every world size. On a sequence group each rank computes the shards it holds
+(`PrefixState.placement`) while the others serve the partials of their earlier positions; at an
+ownership boundary the previous owner hands over the linear-attention state, and at the end the
+final state goes to every rank. The `PrefixExchange` supplies what differs; one process owns
+every shard.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.attention import CACHE_KWARG, prefix_attention_enabled
+from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.cache import StateCache
+from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import prefill_layers
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import as_token_tensor, check_positions
@@ -27,10 +34,17 @@ from longstraw.models.adapters import decoder_of, state_spec
 ShardCallback = Callable[[PrefixState, int], None]
 
 
-def _shard_cache(state: PrefixState, shard: int) -> StateCache:
-    """Layers that read the state before `shard` and write this shard's part of it."""
+def prefill_cache(state: PrefixState, shard: int, kind_kwargs: dict | None = None) -> StateCache:
+    """Layers that read the state before `shard` and write this shard's part of it (on the
+    process that holds `shard`; `kind_kwargs` as in `layer_kinds.prefill_layers`)."""
     start, end = state.bounds[shard]
-    layers = prefill_layers(state, prefix_end=start, rows=slice(start, end), checkpoint=shard)
+    layers = prefill_layers(
+        state,
+        prefix_end=state.local_prefix_end(shard),
+        rows=state.local_rows(start, end),
+        checkpoint=state.local_checkpoint(shard),
+        kind_kwargs=kind_kwargs,
+    )
     return StateCache(layers, position_offset=start)
 
 
@@ -60,43 +74,102 @@ def prefill(
     resume: PrefixState | None = None,
     start_shard: int = 0,
     end_shard: int | None = None,
+    exchange: PrefixExchange = LOCAL,
 ) -> PrefixState:
-    """The prompt state of `prompt_ids[:-1]`, computed `shard_tokens` tokens at a time.
+    """The prompt state of `prompt_ids[:-1]` (this process's part of it: on a sequence group
+    call on every rank together), computed `shard_tokens` tokens at a time.
 
-    `on_shard(state, k)` runs after shard k is complete (persistence, progress). To resume an
-    interrupted prefill, pass the partially filled `resume` state and the first missing shard as
-    `start_shard`: shards before it are not recomputed. `end_shard` stops before that shard
-    (one task per shard computes `start_shard = k, end_shard = k + 1`).
+    `on_shard(state, k)` runs after shard k is complete, on the process that holds it
+    (persistence, progress). To resume an interrupted prefill, pass the partially filled
+    `resume` state and the first missing shard as `start_shard` (the same on every rank): shards
+    before it are not recomputed, only the linear-state hand-overs at their ownership boundaries
+    are replayed (one constant-size broadcast each). `end_shard` (None: all) stops before that
+    shard (one task per shard computes `start_shard = k, end_shard = k + 1`); the final linear
+    state reaches every rank once the last shard is done.
     """
-    spec = state_spec(model)
+    ids = prompt_tensor(model, prompt_ids)
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    state = prefill_target(
+        model, ids, shard_tokens=shard_tokens, resume=resume, start_shard=start_shard,
+        exchange=exchange,
+    )  # fmt: skip
+    stop = state.num_shards if end_shard is None else end_shard
+    if not start_shard <= stop <= state.num_shards:
+        raise ValueError(
+            f"end_shard {end_shard} must lie in [start_shard, num_shards] = "
+            f"[{start_shard}, {state.num_shards}]"
+        )
+    with torch.no_grad(), exchange.attention_enabled(model):
+        for shard in range(stop):
+            if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
+                # Also at restored boundaries: the start state of a rank's first shard is the
+                # previous owner's end state, which that rank did not restore itself.
+                exchange.hand_over_start_state(state, shard)
+            if shard < start_shard:
+                continue
+            if state.owner_of(shard) == state.rank:
+                start, end = state.bounds[shard]
+                cache = prefill_cache(state, shard, exchange.owner_kind_kwargs(state, shard))
+                run_shard_forward(model, ids, cache, start, end)
+                exchange.finish_owned_shard(state)
+                if on_shard is not None:
+                    on_shard(state, shard)
+            else:
+                exchange.serve_shard(model, state, shard, None, None)
+        if stop == state.num_shards:
+            exchange.share_final_state(state)
+    return state
+
+
+def prompt_tensor(model: PreTrainedModel, prompt_ids) -> torch.Tensor:
+    """[P] int64 prompt ids, checked against the model's vocabulary and positions."""
     ids = as_token_tensor(
         prompt_ids, what="prompt_ids", vocab_size=model.config.get_text_config().vocab_size
     )
-    check_positions(spec, ids.numel(), what="the prompt")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
-    dtype = next(model.parameters()).dtype
+    check_positions(state_spec(model), ids.numel(), what="the prompt")
+    return ids
+
+
+def allocate_prompt_state(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor | Sequence[int],
+    *,
+    shard_tokens: int,
+    exchange: PrefixExchange = LOCAL,
+    device: torch.device | str | None = None,
+) -> PrefixState:
+    """This process's empty part of the prompt state (what `prefill` fills), on `device`
+    (None: the model's; "meta": shapes only, for a tiered state)."""
+    return PrefixState.allocate(
+        state_spec(model),
+        prompt_ids=prompt_tensor(model, prompt_ids),
+        shard_tokens=shard_tokens,
+        placement=exchange.placement(),
+        dtype=next(model.parameters()).dtype,
+        device=model.device if device is None else device,
+    )
+
+
+def prefill_target(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    *,
+    shard_tokens: int,
+    resume: PrefixState | None,
+    start_shard: int,
+    exchange: PrefixExchange = LOCAL,
+) -> PrefixState:
+    """The state a prefill fills: fresh, or `resume` checked against the arguments."""
     if resume is None:
         if start_shard != 0:
             raise ValueError("start_shard > 0 needs the partially filled state as `resume=`")
-        state = PrefixState.allocate(
-            spec,
-            prompt_ids=ids,
-            shard_tokens=shard_tokens,
-            dtype=dtype,
-            device=model.device,
+        return allocate_prompt_state(
+            model, prompt_ids, shard_tokens=shard_tokens, exchange=exchange
         )
-    else:
-        state = resume
-        if not torch.equal(state.prompt_ids, ids.cpu()) or state.shard_tokens != shard_tokens:
-            raise ValueError(
-                "the state to resume was computed for another prompt or shard size "
-                f"(shard_tokens {state.shard_tokens} vs {shard_tokens}); start a fresh prefill"
-            )
-    with torch.no_grad(), prefix_attention_enabled(model):
-        for shard in range(start_shard, state.num_shards if end_shard is None else end_shard):
-            start, end = state.bounds[shard]
-            run_shard_forward(model, ids, _shard_cache(state, shard), start, end)
-            if on_shard is not None:
-                on_shard(state, shard)
-    return state
+    if not torch.equal(resume.prompt_ids, prompt_ids.cpu()) or resume.shard_tokens != shard_tokens:
+        raise ValueError(
+            "the state to resume was computed for another prompt or shard size "
+            f"(shard_tokens {resume.shard_tokens} vs {shard_tokens}); start a fresh prefill"
+        )
+    return resume

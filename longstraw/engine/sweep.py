@@ -224,7 +224,7 @@ def sweep_shard(
         checkpoint=state.local_checkpoint(shard),
         leaves=leaves,
         record=outputs,
-        kind_kwargs=exchange.sweep_kind_kwargs(state, shard),
+        kind_kwargs=exchange.owner_kind_kwargs(state, shard),
     )
     with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
         cache = StateCache(layers, position_offset=start)
