@@ -21,7 +21,6 @@ rows partition, the sweep's gradient scattered from each shard's owner parameter
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -36,20 +35,16 @@ from longstraw.distributed.gradient_slices import (
     slices_drained_into,
     slices_scattered_from_owner,
 )
-from longstraw.distributed.sharded_replay import zeros_cotangent
 from longstraw.engine.group import (
     GradBuffer,
     ReplayRecord,
-    deterministic_when_exact,
     drain_grads_into,
     grads_drained_into,
-    grads_set_aside,
     group_inputs,
-    replay_group_branches,
+    replay_and_sweep,
     trainable_parameters,
 )
 from longstraw.engine.state import PrefixState
-from longstraw.engine.sweep import sweep_prompt_shards
 from longstraw.schemas.grpo import GRPOConfig
 
 
@@ -126,23 +121,13 @@ def sharded_group_replay(
     )  # fmt: skip
     params = trainable_parameters(model)
     branch_grads, sweep_grads = GradBuffer(model), GradBuffer(model)
-    cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
-    with grads_set_aside(params), deterministic_when_exact(prompt_grad):
-        with grads_drained_into(params, branch_grads):
-            record = replay_group_branches(
-                model, state, inputs, loss_config, cotangent, segment_tokens=branch_segment_tokens,
-                share_prefixes=share_response_prefixes, exchange=CrossRankExchange(group),
-            )  # fmt: skip
-        started = time.perf_counter()
-        if cotangent is not None:
-            sweep_prompt_shards(
-                model,
-                state,
-                cotangent,
-                exchange=CrossRankExchange(group),
-                after_shard=lambda _: drain_grads_into(params, sweep_grads),
-            )
-        _record_sweep(record, cotangent, started)
+    record = replay_and_sweep(
+        model, state, inputs, loss_config, prompt_grad,
+        replay_sink=grads_drained_into(params, branch_grads),
+        exchange=CrossRankExchange(group), segment_tokens=branch_segment_tokens,
+        share_prefixes=share_response_prefixes,
+        after_shard=lambda _: drain_grads_into(params, sweep_grads),
+    )  # fmt: skip
     reduced = all_reduce_rank_gradients(
         branch_grads, sweep_grads, sequence_group=group, data_group=data_group
     )
@@ -206,28 +191,12 @@ def sharded_group_slice_replay(
     layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
     params = trainable_parameters(model)
     slices = GradSlices(model, layout)
-    cotangent = zeros_cotangent(state) if prompt_grad == "exact" else None
-    with grads_set_aside(params), deterministic_when_exact(prompt_grad):
-        with slices_drained_into(params, slices):
-            record = replay_group_branches(
-                model, state, inputs, loss_config, cotangent, segment_tokens=branch_segment_tokens,
-                share_prefixes=share_response_prefixes, exchange=CrossRankExchange(group),
-            )  # fmt: skip
-        started = time.perf_counter()
-        if cotangent is not None:
-            with slices_scattered_from_owner(params, slices, group=group):
-                sweep_prompt_shards(
-                    model,
-                    state,
-                    cotangent,
-                    exchange=CrossRankExchange(group),
-                    on_gradient_slices=receive_gradient_slices(params, slices, group=group),
-                )
-        _record_sweep(record, cotangent, started)
+    record = replay_and_sweep(
+        model, state, inputs, loss_config, prompt_grad,
+        replay_sink=slices_drained_into(params, slices),
+        sweep_sink=slices_scattered_from_owner(params, slices, group=group),
+        exchange=CrossRankExchange(group), segment_tokens=branch_segment_tokens,
+        share_prefixes=share_response_prefixes,
+        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
+    )  # fmt: skip
     return slices, record
-
-
-def _record_sweep(record: ReplayRecord, cotangent, started: float) -> None:
-    if cotangent is not None:
-        record.seconds["sweep"] = time.perf_counter() - started
-        record.cotangent_bytes = cotangent.nbytes()

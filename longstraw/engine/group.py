@@ -435,6 +435,50 @@ def replay_group_branches(
     return record
 
 
+def replay_and_sweep(
+    model: PreTrainedModel,
+    state,
+    inputs: GroupInputs,
+    loss_config: GRPOConfig,
+    prompt_grad: str,
+    *,
+    replay_sink: contextlib.AbstractContextManager,
+    sweep_sink: contextlib.AbstractContextManager | None = None,
+    exchange: PrefixExchange = LOCAL,
+    segment_tokens: int | None = None,
+    share_prefixes: bool = False,
+    after_shard: Callable[[int], None] | None = None,
+    on_gradient_slices: Callable[[int, int], None] | None = None,
+) -> ReplayRecord:
+    """One group's gradient work at any world size: replay every branch (`replay_group_branches`)
+    and, in exact mode, sweep the prompt-state cotangent back through the prefill shards
+    (`engine.sweep`), with the caller's `.grad` set aside.
+
+    Branch gradients go where `replay_sink` takes them as autograd accumulates them, the sweep's
+    where `sweep_sink` does (None: they stay in `.grad` for `after_shard(shard)` to collect);
+    `on_gradient_slices` is the sweep's (ranks). The record times replay and sweep apart and
+    holds the bytes of this process's cotangent dS.
+    """
+    params = trainable_parameters(model)
+    cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
+    with grads_set_aside(params), deterministic_when_exact(prompt_grad):
+        with replay_sink:
+            record = replay_group_branches(
+                model, state, inputs, loss_config, cotangent, segment_tokens=segment_tokens,
+                share_prefixes=share_prefixes, exchange=exchange,
+            )  # fmt: skip
+        if cotangent is not None:
+            started = time.perf_counter()
+            with sweep_sink or contextlib.nullcontext():
+                sweep_prompt_shards(
+                    model, state, cotangent, exchange=exchange, after_shard=after_shard,
+                    on_gradient_slices=on_gradient_slices,
+                )  # fmt: skip
+            record.seconds["sweep"] = time.perf_counter() - started
+            record.cotangent_bytes = cotangent.nbytes()
+    return record
+
+
 def _accumulate(
     model,
     state,
@@ -449,23 +493,13 @@ def _accumulate(
 ):
     params = trainable_parameters(model)
     contribution = GradBuffer(model)
-    cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
-
-    with (
-        grads_set_aside(params),
-        deterministic_when_exact(prompt_grad),
-        grads_drained_into(params, contribution),
-    ):
-        record = replay_group_branches(
-            model, state, inputs, loss_config, cotangent,
-            segment_tokens=branch_segment_tokens, share_prefixes=share_prefixes,
-        )  # fmt: skip
-        seconds["replay"] = record.seconds["replay"]
-        if cotangent is not None:
-            started = time.perf_counter()
-            sweep_prompt_shards(model, state, cotangent)
-            seconds["sweep"] = time.perf_counter() - started
-
+    record = replay_and_sweep(
+        model, state, inputs, loss_config, prompt_grad,
+        replay_sink=grads_drained_into(params, contribution),
+        sweep_sink=grads_drained_into(params, contribution),
+        segment_tokens=branch_segment_tokens, share_prefixes=share_prefixes,
+    )  # fmt: skip
+    seconds.update(record.seconds)
     if grad_buffer is None:
         contribution.into_param_grads(model)
     else:
@@ -479,7 +513,7 @@ def _accumulate(
         inputs.lengths,
         record.stats,
         seconds,
-        cotangent_bytes=0 if cotangent is None else cotangent.nbytes(),
+        cotangent_bytes=record.cotangent_bytes,
         device=model.device,
     )
 

@@ -220,11 +220,11 @@ def test_backward_group_retried_after_a_failure_mid_sweep_gives_the_same_gradien
     # Fail after every branch and the first swept shard were added into the task's buffers.
     real_sweep = group_module.sweep_prompt_shards
 
-    def failing_sweep(model, state, cotangent):
+    def failing_sweep(model, state, cotangent, **options):
         def after(shard):
             raise OSError("injected: storage went away mid-sweep")
 
-        return real_sweep(model, state, cotangent, after_shard=after)
+        return real_sweep(model, state, cotangent, **{**options, "after_shard": after})
 
     monkeypatch.setattr(group_module, "sweep_prompt_shards", failing_sweep)
     with pytest.raises(OSError, match="injected"):
