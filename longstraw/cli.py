@@ -71,8 +71,12 @@ def train_command(
         int | None,
         typer.Option(help="Override parallel.world_size (ranks sharing each prompt's state)."),
     ] = None,
+    # An explicit name: a plain boolean option would also get a negation, `--no-no-prefect`.
     no_prefect: Annotated[
-        bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
+        bool,
+        typer.Option(
+            "--no-prefect", help="Run the same steps in-process without Prefect (debugging)."
+        ),
     ] = False,
     debug: Annotated[
         bool,
