@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from longstraw.console import cli_console
 
 app = typer.Typer(
     name="longstraw",
@@ -18,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
+console = cli_console()
 
 
 @app.command("init-model")

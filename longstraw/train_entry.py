@@ -17,16 +17,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from longstraw.console import cli_console
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
 
-console = Console()
+console = cli_console()
 
 
 def configure_prefect_environment(project_dir: Path) -> None:
