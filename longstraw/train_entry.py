@@ -287,6 +287,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
         f"{config.engine.prompt_grad}, storage {config.storage.root_uri}"
     )
+    from longstraw.models.kernels import missing_kernels_line
+
+    if (kernels := missing_kernels_line()) is not None:
+        console.print(kernels, style="dim", markup=False)
     from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
     from longstraw.training import progress as events
 

@@ -3,6 +3,7 @@ hybrid tiny model (full attention + Gated DeltaNet) on CPU, `--no-prefect`, read
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -34,8 +35,10 @@ def piped_run(tmp_path_factory, checkpoint_dir) -> subprocess.CompletedProcess:
         "storage": {"root_uri": str(tmp / LONG_NAME), "persist_mode": "off"},
     }
     (tmp / "run.yaml").write_text(yaml.safe_dump(config))
-    # This checkout's code; rich's width from the pipe, not from a COLUMNS the caller exported.
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    # This checkout's code, and a user's shell: rich's width from the pipe (no COLUMNS), and
+    # transformers at its own verbosity (tests/conftest.py quiets it for this process).
+    unset = ("COLUMNS", "LINES", "TRANSFORMERS_VERBOSITY")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml", "--no-prefect"],
@@ -57,3 +60,23 @@ def test_paths_arrive_whole_on_one_line_when_output_is_piped(piped_run):
     assert len(finished) == 1, lines
     checkpoint = finished[0].split("latest checkpoint: ", 1)[1]
     assert checkpoint.endswith(f"/{LONG_NAME}/runs/piped/checkpoints/v000001"), lines
+
+
+def test_missing_kernels_are_named_once_and_transformers_fallbacks_not_at_all(piped_run):
+    lines = (piped_run.stdout + piped_run.stderr).splitlines()
+    assert not [line for line in lines if "falling back" in line], lines
+    missing = [
+        dist
+        for module, dist in (
+            ("flash_attn", "flash-attn"),
+            ("fla", "flash-linear-attention"),
+            ("causal_conv1d", "causal-conv1d"),
+        )
+        if importlib.util.find_spec(module) is None
+    ]
+    named = [line for line in lines if "[gpu]" in line]
+    if missing:
+        assert len(named) == 1, lines
+        assert all(dist in named[0] for dist in missing), named
+    else:
+        assert named == [], lines
