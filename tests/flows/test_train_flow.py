@@ -114,6 +114,8 @@ def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
         assert any(msg.startswith(f"step {m.step}: reward {m.reward_mean:.3f}") for msg in messages)
     keys = [msg for msg in messages if ": cache key prefill_shard-" in msg]
     assert len(keys) == 2 * NUM_SHARDS, messages
+    # Prefect's lines around the hook that logs the key are DEBUG, not in the run's INFO logs.
+    assert not [msg for msg in messages if "hook 'log_cache_key'" in msg.lower()], messages
     assert all(f"prefill_shard-{run_id}-" in k for k in keys), keys
     # The digest a shard's name shows is the one its cache key holds.
     shard = next(r for r in runs if r.name.startswith("prefill s0/"))
