@@ -361,7 +361,9 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
             if server is not None:
                 server.stop()
         progress.update(steps_bar, completed=config.train.num_steps)
-    console.print(run_summary(config, history))
+    summary = run_summary(config, history)
+    # A table has its own width (and a centred title); only a line of text is kept whole.
+    console.print(summary, soft_wrap=console.soft_wrap and isinstance(summary, str))
     console.print(
         f"finished in {time.perf_counter() - started:.0f} s; latest checkpoint: "
         f"{latest_checkpoint(config.storage, config.run_id)}"

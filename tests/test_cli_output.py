@@ -80,3 +80,13 @@ def test_missing_kernels_are_named_once_and_transformers_fallbacks_not_at_all(pi
         assert all(dist in named[0] for dist in missing), named
     else:
         assert named == [], lines
+
+
+def test_the_summary_table_keeps_its_layout_when_output_is_piped(piped_run):
+    lines = piped_run.stdout.splitlines()
+    title = next(line for line in lines if "LongStraw training summary" in line)
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 1, lines
+    # Centred above the table, as on a terminal.
+    assert title.index("LongStraw") > 0, lines
+    assert len(title.rstrip()) < len(rows[0]), lines
