@@ -326,6 +326,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 progress.update(shards_bar, total=fields["total"], completed=fields["done"])
             elif event == "step":
                 progress.update(steps_bar, completed=fields["step"] + 1)
+            elif event == "flow_run" and use_prefect and server is None and fields["ui_url"]:
+                # A server the user runs outlives this run: its page is worth opening. The
+                # embedded API stops with the run and serves no UI.
+                progress.console.print(f"Prefect UI: {fields['ui_url']}", markup=False)
 
         events.add_listener(listen)
         try:
