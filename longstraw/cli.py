@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from longstraw.console import cli_console
 
 app = typer.Typer(
     name="longstraw",
@@ -18,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
+console = cli_console()
 
 
 @app.command("init-model")
@@ -71,8 +72,12 @@ def train_command(
         int | None,
         typer.Option(help="Override parallel.world_size (ranks sharing each prompt's state)."),
     ] = None,
+    # An explicit name: a plain boolean option would also get a negation, `--no-no-prefect`.
     no_prefect: Annotated[
-        bool, typer.Option(help="Run the same steps in-process without Prefect (debugging).")
+        bool,
+        typer.Option(
+            "--no-prefect", help="Run the same steps in-process without Prefect (debugging)."
+        ),
     ] = False,
     debug: Annotated[
         bool,

@@ -17,16 +17,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from longstraw.console import cli_console
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
 
-console = Console()
+console = cli_console()
 
 
 def configure_prefect_environment(project_dir: Path) -> None:
@@ -287,6 +287,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
         f"{config.engine.prompt_grad}, storage {config.storage.root_uri}"
     )
+    from longstraw.models.kernels import missing_kernels_line
+
+    if (kernels := missing_kernels_line()) is not None:
+        console.print(kernels, style="dim", markup=False)
     from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
     from longstraw.training import progress as events
 
@@ -322,6 +326,10 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 progress.update(shards_bar, total=fields["total"], completed=fields["done"])
             elif event == "step":
                 progress.update(steps_bar, completed=fields["step"] + 1)
+            elif event == "flow_run" and use_prefect and server is None and fields["ui_url"]:
+                # A server the user runs outlives this run: its page is worth opening. The
+                # embedded API stops with the run and serves no UI.
+                progress.console.print(f"Prefect UI: {fields['ui_url']}", markup=False)
 
         events.add_listener(listen)
         try:
@@ -357,7 +365,9 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
             if server is not None:
                 server.stop()
         progress.update(steps_bar, completed=config.train.num_steps)
-    console.print(run_summary(config, history))
+    summary = run_summary(config, history)
+    # A table has its own width (and a centred title); only a line of text is kept whole.
+    console.print(summary, soft_wrap=console.soft_wrap and isinstance(summary, str))
     console.print(
         f"finished in {time.perf_counter() - started:.0f} s; latest checkpoint: "
         f"{latest_checkpoint(config.storage, config.run_id)}"

@@ -111,3 +111,17 @@ def test_a_resume_with_no_step_left_says_so_instead_of_an_empty_table():
     )
     table = run_summary(config, [step])
     assert isinstance(table, Table) and table.row_count == 1
+
+
+def test_train_help_offers_no_prefect_without_a_double_negation(runner, tmp_path):
+    result = runner.invoke(app, ["train", "--help"])
+    assert result.exit_code == 0, result.output
+    help_text = plain(result.output)
+    assert "--no-prefect" in help_text, help_text
+    assert "--no-no-prefect" not in help_text, help_text
+    # The documented spelling still parses: the run gets as far as reading its config.
+    missing = tmp_path / "missing.yaml"
+    result = runner.invoke(app, ["train", "--no-prefect", "--config", str(missing)])
+    assert result.exit_code == 2 and "does not exist" in plain(result.output), result.output
+    refused = runner.invoke(app, ["train", "--no-no-prefect"])
+    assert refused.exit_code == 2 and "No such option" in plain(refused.output), refused.output

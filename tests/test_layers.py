@@ -27,6 +27,7 @@ PACKAGE = Path(longstraw.__file__).parent
 # Level of each top-level package or module of longstraw; bottom first.
 LEVELS = {
     "errors": 0,
+    "console": 0,
     "schemas": 1,
     "ops": 2,
     "models": 3,

@@ -20,6 +20,7 @@ from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.storage.config_files import read_run_config
 from longstraw.trackers.run_trackers import open_trackers
+from longstraw.training import progress
 from longstraw.training.metrics import read_metrics, settle_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.run_lease import run_lease
@@ -88,6 +89,7 @@ def train(
     merges its `config` onto the deployment's the same way.
     """
     logger = get_run_logger()
+    announce_flow_run()
     config = run_config(config, config_file, deployment_config())
     preflight(config, resume)
     with run_lease(config):
@@ -123,6 +125,17 @@ def train(
             raise
         publish_run_curves(config)
     return history
+
+
+def announce_flow_run() -> None:
+    """Tell this process's listeners (`longstraw train`'s console) the flow run's page in the
+    Prefect UI: `<PREFECT_UI_URL>/runs/flow-run/<id>`; None where no UI URL is known."""
+    from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
+
+    if flow_run.id is None:
+        return
+    progress.emit("flow_run", id=flow_run.id, ui_url=url_for("flow-run", obj_id=flow_run.id))
 
 
 def tag_flow_run(config: RunConfig, resumed_at_step: int | None) -> None:

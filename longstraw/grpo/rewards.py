@@ -68,7 +68,7 @@ def _import_user_reward(spec: str) -> RewardFn:
     except ModuleNotFoundError as err:
         raise ValueError(
             f"reward spec {spec!r}: cannot import module {module_name!r} ({err}); check the name and "
-            "that its package is installed or on sys.path"
+            "that its package is installed, on sys.path, or beside the run's config file"
         ) from err
     obj: Any = module
     for part in attr_path.split("."):

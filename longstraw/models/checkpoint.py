@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from longstraw.errors import UserError
+from longstraw.models.kernels import quiet_kernel_fallbacks
 
 METADATA_FILE = "longstraw.json"
 _HASH_BLOCK = 1 << 22  # 4 MiB reads keep hashing a multi-GB checkpoint at disk speed
@@ -206,6 +207,8 @@ def load_checkpoint(
             f"{path} is not a Hugging Face checkpoint directory (no config.json); "
             "create one with `longstraw init-model --family qwen3_5 --size tiny --out DIR`"
         )
+    # LongStraw names missing kernels once per run (`longstraw train`), not transformers per call.
+    quiet_kernel_fallbacks()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer, read_checkpoint_metadata(path, record_dir=record_dir)

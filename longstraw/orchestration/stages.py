@@ -8,6 +8,8 @@ name from storage.
 
 from __future__ import annotations
 
+import logging
+
 from prefect import task
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
@@ -36,6 +38,36 @@ def log_cache_key(task, task_run, state) -> None:
     key = prefill_shard_cache_key(context, context.parameters) if context else None
     task_run_logger(task_run, task).info("%s: cache key %s", state.name, key)
 
+
+class HookChatterToDebug(logging.Filter):
+    """Prefect logs two INFO lines around every hook it runs ("Running hook 'log_cache_key' in
+    response to entering state 'Completed'", "Hook 'log_cache_key' finished running
+    successfully"): half of a prefill shard's lines in the UI. This filter on the task-run
+    logger makes those of LongStraw's own hooks DEBUG records, passed on only where that logger
+    is set to DEBUG; a failing hook's error and other hooks' lines are untouched."""
+
+    hooks = ("log_cache_key",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not any(
+            message.startswith(f"Running hook {hook!r} in response to entering state")
+            or message == f"Hook {hook!r} finished running successfully"
+            for hook in self.hooks
+        ):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def _demote_hook_chatter() -> None:
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, HookChatterToDebug) for f in logger.filters):
+        logger.addFilter(HookChatterToDebug())
+
+
+# Here, where the hook is attached: every process that runs these tasks imports this module.
+_demote_hook_chatter()
 
 open_run = _task("open_run")(stages.open_run)
 plan_step = _task("plan_step")(stages.plan_step)

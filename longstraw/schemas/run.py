@@ -6,6 +6,7 @@ the field rather than a silently ignored setting. GRPO knobs keep TRL's names (`
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -290,4 +291,19 @@ def load_run_config(path: str | Path, **overrides) -> RunConfig:
         text = path.read_text()
     except FileNotFoundError as error:
         raise ConfigError(f"config file {path} does not exist") from error
-    return parse_run_config(text, str(path), overrides)
+    config = parse_run_config(text, str(path), overrides)
+    import_beside(path)
+    return config
+
+
+def import_beside(config_file: Path) -> None:
+    """Put the config file's directory first on sys.path, as `PYTHONPATH=<that directory>`
+    would: a `module:function` reference (`data.rewards`, a record's `reward`,
+    `agent.environment`) to `module.py` beside the file imports from any working directory.
+
+    For the rest of the process, not only while a reference is imported: a reward module that
+    imports a sibling later (inside its function) finds it too, and the ranks a run spawns get
+    the driver's sys.path. A directory already on sys.path is left where it is."""
+    directory = str(config_file.expanduser().resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)

@@ -3,9 +3,11 @@ shipped in the image, on a volume or in a bucket."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import fsspec
 
-from longstraw.schemas.run import ConfigError, RunConfig, parse_run_config
+from longstraw.schemas.run import ConfigError, RunConfig, import_beside, parse_run_config
 
 
 def read_run_config(uri: str, overrides: dict | None = None) -> RunConfig:
@@ -15,4 +17,9 @@ def read_run_config(uri: str, overrides: dict | None = None) -> RunConfig:
             text = handle.read()
     except FileNotFoundError as error:
         raise ConfigError(f"config file {uri} does not exist") from error
-    return parse_run_config(text, uri, overrides)
+    config = parse_run_config(text, uri, overrides)
+    filesystem, path = fsspec.core.url_to_fs(uri)
+    protocols = filesystem.protocol
+    if "file" in ((protocols,) if isinstance(protocols, str) else protocols):
+        import_beside(Path(path))  # a file in a bucket has no directory to import from
+    return config

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from longstraw.console import cli_console
 from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import StateIntegrityError, StateNotCommittedError
 from longstraw.storage.gc import (
@@ -27,8 +27,8 @@ from longstraw.storage.reader import read_manifest, verify_state
 state_app = typer.Typer(
     help="Persisted prompt states: ls, inspect, verify, gc.", no_args_is_help=True
 )
-console = Console()
-err_console = Console(stderr=True)
+console = cli_console()
+err_console = cli_console(stderr=True)
 
 
 def _size(n: int) -> str:

@@ -11,7 +11,8 @@ _listeners: list[Callable[[str, dict], None]] = []
 
 
 def add_listener(listener: Callable[[str, dict], None]) -> None:
-    """`listener(event, fields)`: "prefill_shard" (done, total) and "step" (step)."""
+    """`listener(event, fields)`: "prefill_shard" (done, total), "step" (step), and, once at the
+    start of a `longstraw-train` flow run, "flow_run" (id, ui_url: its Prefect UI page or None)."""
     _listeners.append(listener)
 
 

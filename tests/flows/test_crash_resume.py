@@ -98,6 +98,8 @@ def test_sigkill_mid_step_then_resume_reuses_shards_and_matches_uninterrupted(
         timeout=300,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # The embedded API serves no UI and stops with the run: no page is announced.
+    assert "/runs/flow-run/" not in resumed.stdout, resumed.stdout
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]

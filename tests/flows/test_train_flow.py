@@ -114,6 +114,8 @@ def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
         assert any(msg.startswith(f"step {m.step}: reward {m.reward_mean:.3f}") for msg in messages)
     keys = [msg for msg in messages if ": cache key prefill_shard-" in msg]
     assert len(keys) == 2 * NUM_SHARDS, messages
+    # Prefect's lines around the hook that logs the key are DEBUG, not in the run's INFO logs.
+    assert not [msg for msg in messages if "hook 'log_cache_key'" in msg.lower()], messages
     assert all(f"prefill_shard-{run_id}-" in k for k in keys), keys
     # The digest a shard's name shows is the one its cache key holds.
     shard = next(r for r in runs if r.name.startswith("prefill s0/"))
@@ -239,3 +241,45 @@ def test_curves_cover_a_failed_run_and_its_resume_which_the_run_tag_links(
         ("flow-failed/step-0001", "COMPLETED"),
         ("flow-failed/step-0001", "FAILED"),
     ]
+
+
+def test_longstraw_train_on_a_server_prints_the_flow_runs_ui_page_once(
+    prefect_harness, runs_root, tmp_path
+):
+    import os
+    import subprocess
+    import sys
+
+    from flow_helpers import write_run_yaml
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = PREFECT_API_URL.value()  # the harness's server: a real one, not the embedded API
+    config = write_run_yaml(tmp_path / "run.yaml", runs_root, "ui-link", num_steps=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_API_URL=api_url,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # The tiny config's reward lives in tests/flows/flow_helpers.py.
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "flows")]),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:ui-link"]))
+        )
+    flow_run = next(r for r in runs if r.name == "ui-link")
+    # Prefect's default UI URL is the API's without /api (PREFECT_UI_URL sets another).
+    page = f"{api_url.removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+    links = [line for line in result.stdout.splitlines() if "/runs/flow-run/" in line]
+    assert links == [f"Prefect UI: {page}"], result.stdout

@@ -90,6 +90,69 @@ def test_reward_specs_import_and_take_prompt_response_metadata(tmp_path, monkeyp
         score_group(["my_rewards:boom"], None, "p", ["r0", "r1"])
 
 
+def test_a_reward_module_beside_the_config_file_imports_from_any_directory(
+    tmp_path, checkpoint_dir
+):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "beside_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def three_quarters(prompt, response, metadata):
+                return 0.75
+            """
+        )
+    )
+    config = {
+        "run_id": "beside",
+        "model": {"checkpoint": str(checkpoint_dir("llama"))},
+        "train": {"num_steps": 1, "groups_per_step": 1},
+        "grpo": {"num_generations": 2, "max_completion_length": 2},
+        "data": {"type": "haystack", "rewards": ["beside_rewards:three_quarters"]},
+        "storage": {"root_uri": str(tmp_path / "root"), "persist_mode": "off"},
+    }
+    (configs / "run.yaml").write_text(yaml.safe_dump(config))
+    # Only this checkout on PYTHONPATH; the working directory is not the config's.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "configs/run.yaml"]
+    result = subprocess.run(
+        [*command, "--no-prefect"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│    0 │"))
+    assert "0.750" in row, result.stdout  # the mean reward: the function beside the config ran
+
+
+def test_a_deployment_config_file_makes_its_directory_importable(tmp_path, monkeypatch):
+    from longstraw.data.environments import environment_class
+    from longstraw.grpo.rewards import get_reward
+    from longstraw.storage.config_files import read_run_config
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "deployed_task.py").write_text(
+        textwrap.dedent(
+            """
+            def one(prompt, response, metadata):
+                return 1.0
+            class Echo:
+                def reset(self, metadata):
+                    pass
+                def step(self, assistant_text):
+                    return assistant_text, True, 1.0
+            """
+        )
+    )
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({"data": {"type": "haystack", "rewards": ["deployed_task:one"]}})
+    )
+    with pytest.raises(ValueError, match="cannot import module 'deployed_task'"):
+        get_reward("deployed_task:one")
+    config = read_run_config(f"file://{tmp_path / 'run.yaml'}")
+    assert get_reward(config.data.rewards[0])("p", "r", {}) == 1.0
+    assert environment_class("deployed_task:Echo")().step("hi") == ("hi", True, 1.0)
+    monkeypatch.delitem(sys.modules, "deployed_task")
+
+
 def test_storage_root_must_be_writable(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
