@@ -21,7 +21,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from longstraw.console import cli_console
-from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
@@ -89,18 +88,13 @@ def resolve_config(
             "command-line options",
         )
     exists = latest_checkpoint(config.storage, config.run_id) is not None
-    if exists and not resume:
-        if config_path is None and run_id is None:
-            # The embedded demo never collides with an earlier demo run: give it a fresh id.
-            stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-            return config.model_copy(update={"run_id": f"{config.run_id}-{stamp}"})
-        from longstraw.training.run_lease import check_run_lease
+    if exists and not resume and config_path is None and run_id is None:
+        # The embedded demo never collides with an earlier demo run: give it a fresh id.
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        return config.model_copy(update={"run_id": f"{config.run_id}-{stamp}"})
+    from longstraw.training.run_start import refuse_restart
 
-        check_run_lease(config)  # a live writer is the clearer reason to refuse
-        raise UserError(
-            f"run {config.run_id!r} already has checkpoints under {config.storage.root_uri} — pass "
-            "--resume to continue it, or choose another --run-id"
-        )
+    refuse_restart(config, resume)  # before Prefect and the ranks start
     return config
 
 
@@ -244,8 +238,8 @@ def run_training(
     config = resolve_config(
         config_path, steps=steps, run_id=run_id, root=root, resume=resume, world_size=world_size
     )
-    from longstraw.training.preflight import preflight
     from longstraw.training.run_lease import run_lease
+    from longstraw.training.run_start import preflight
 
     preflight(config, resume)
     with contextlib.ExitStack() as stack:

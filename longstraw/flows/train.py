@@ -8,8 +8,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags
 
-from longstraw.distributed.stage_group import start_stage_group
-from longstraw.errors import UserError
 from longstraw.flows.grpo_step import grpo_step
 from longstraw.orchestration.curves import publish_run_curves
 from longstraw.orchestration.names import run_tags, step_tags
@@ -17,13 +15,10 @@ from longstraw.orchestration.stages import open_run
 from longstraw.schemas.overrides import RunConfigOverrides, as_overrides
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
-from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.storage.config_files import read_run_config
 from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training import progress
-from longstraw.training.metrics import read_metrics, settle_metrics
-from longstraw.training.preflight import preflight
-from longstraw.training.run_lease import run_lease
+from longstraw.training.run_start import preflight, run_opened
 
 
 def run_config(
@@ -52,15 +47,6 @@ def deployment_config() -> dict[str, Any] | None:
     # Read the deployment itself: `prefect.runtime.deployment.parameters` are the flow run's.
     with get_client(sync_client=True) as client:
         return (client.read_deployment(deployment.id).parameters or {}).get("config")
-
-
-def refuse_restart(config: RunConfig, resume: bool) -> None:
-    """A run that has a committed checkpoint is continued (`resume`), never restarted over."""
-    if not resume and (found := latest_checkpoint(config.storage, config.run_id)) is not None:
-        raise UserError(
-            f"run {config.run_id!r} already has a committed checkpoint ({found}) — run it with "
-            "resume=true to continue it, or choose another run_id"
-        )
 
 
 def train_run_name() -> str:
@@ -92,11 +78,7 @@ def train(
     announce_flow_run()
     config = run_config(config, config_file, deployment_config())
     preflight(config, resume)
-    with run_lease(config):
-        refuse_restart(config, resume)
-        start_stage_group(config.parallel)
-        policy = open_run(config, resume)
-        settle_metrics(config.storage, policy)
+    with run_opened(config, resume, open_run) as (policy, recorded):
         tag_flow_run(config, policy.step if resume else None)
         if policy.step:
             logger.info(
@@ -109,7 +91,6 @@ def train(
         # Whatever this flow run did, its curves hold every recorded step of the run: the resumed
         # parts, and the steps before a failure.
         try:
-            recorded = read_metrics(run_dir(config.storage, config.run_id))
             with open_trackers(config, recorded) as trackers:
                 while policy.step < config.train.num_steps:
                     with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):

@@ -13,11 +13,10 @@ from longstraw.storage.checkpoints import run_dir
 from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training import held
 from longstraw.training.context import RunContext
-from longstraw.training.metrics import plot_rewards, read_metrics, settle_metrics
-from longstraw.training.run_lease import run_lease
+from longstraw.training.metrics import plot_rewards, read_metrics
+from longstraw.training.run_start import run_opened
 
 __all__ = ["TrainOutcome", "after_step", "read_metrics", "train"]
-from longstraw.training.stages import open_run
 from longstraw.training.step import IN_PROCESS, Stages, run_step
 
 
@@ -64,13 +63,10 @@ def train(
     stages: Stages = IN_PROCESS,
 ) -> TrainOutcome:
     """Run (or resume) training to `config.train.num_steps` steps in this process, holding the
-    run's lease (one writer per run: `training.run_lease`)."""
-    with run_lease(config):
-        outcome = TrainOutcome(config, open_run(config, resume))
-        # Rows of steps after the starting checkpoint belong to an abandoned attempt; the
-        # checkpointed step's row is restored if its process died before writing it.
-        settle_metrics(config.storage, outcome.policy)
-        recorded = read_metrics(run_dir(config.storage, config.run_id))
+    run's lease (one writer per run; a run with a committed checkpoint is only continued:
+    `training.run_start`)."""
+    with run_opened(config, resume) as (policy, recorded):
+        outcome = TrainOutcome(config, policy)
         with open_trackers(config, recorded) as trackers:
             while outcome.policy.step < config.train.num_steps:
                 outcome.policy, metrics = run_step(config, outcome.policy, stages)

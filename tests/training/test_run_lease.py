@@ -109,8 +109,8 @@ def test_lease_is_reentrant_in_one_process(tmp_path):
 
 
 def test_flow_refuses_to_restart_a_run_with_a_checkpoint(tmp_path):
-    from longstraw.flows.train import refuse_restart
     from longstraw.storage.checkpoints import checkpoints_dir
+    from longstraw.training.run_start import refuse_restart
 
     config = _config(tmp_path)
     refuse_restart(config, resume=False)  # no checkpoint yet: a fresh run
