@@ -259,6 +259,22 @@ class ShardedPrefillSession:
         if shard >= self.filled:
             self._run(self.num_shards if self.schedule == "wavefront" else shard + 1)
 
+    def computed_through(self, shard: int) -> bool:
+        """`ensure_shard(shard)` on every rank; whether any rank computed a shard in this call
+        (its owner did, or nobody). Collective."""
+        before = len(self.computed)
+        self.ensure_shard(shard)
+        flag = torch.tensor([int(len(self.computed) > before)])
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
+
+    def totals(self) -> tuple[PrefixStateRef | None, int, int]:
+        """After `finish`: (the committed state, shards computed, shards restored), counted over
+        every rank. Collective."""
+        counts = torch.tensor([self.outcome.shards_computed, self.outcome.shards_restored])
+        dist.all_reduce(counts, group=self.group)
+        return self.outcome.ref, int(counts[0]), int(counts[1])
+
     def _run(self, end: int) -> None:
         """Compute global shards filled..end-1; at the end (even when every shard was restored)
         the linear-state handoffs are replayed and the final state reaches every rank."""

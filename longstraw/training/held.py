@@ -132,10 +132,14 @@ def sharded_session(ctx: RunContext, example: PromptExample):
         return found
 
 
-def sharded_state(ctx: RunContext, example: PromptExample):
-    """(this rank's part of the prompt state, its prefill outcome) at the run's current version;
-    computed, resumed or read back by every rank together."""
-    return sharded_session(ctx, example).finish()
+def prefill_session(ctx: RunContext, example: PromptExample):
+    """The prefill session of `example` at the run's current version for this process's
+    placement: the whole state here (`PrefillSession`), or this rank's part of it, which every
+    rank of the stage group holds and calls together (`ShardedPrefillSession`). Both give
+    `ensure_shard`, `computed_through`, `finish` and `totals`."""
+    if active_group() is None:
+        return session(ctx, example)
+    return sharded_session(ctx, example)
 
 
 def prefix_exchange() -> PrefixExchange:
@@ -152,10 +156,7 @@ def prefix_exchange() -> PrefixExchange:
 def prompt_state(ctx: RunContext, example: PromptExample):
     """The prompt state the engine computes on: this process's whole `PrefixState`, or this
     rank's slice of it."""
-    if active_group() is not None:
-        state, _ = sharded_state(ctx, example)
-        return state
-    state, _ = session(ctx, example).finish()
+    state, _ = prefill_session(ctx, example).finish()
     return state
 
 

@@ -182,6 +182,17 @@ class PrefillSession:
                 self.shards_computed += 1
             self.filled += 1
 
+    def computed_through(self, shard: int) -> bool:
+        """`ensure_shard(shard)`; whether this call computed a shard (rather than reading every
+        one back)."""
+        before = self.shards_computed
+        self.ensure_shard(shard)
+        return self.shards_computed > before
+
+    def totals(self) -> tuple[PrefixStateRef | None, int, int]:
+        """After `finish`: (the committed state, shards computed, shards reused)."""
+        return self.ref, self.shards_computed, self.shards_reused
+
     def finish(self) -> tuple[PrefixState, PrefillOutcome]:
         """Fill every shard, commit (when persisting) and close."""
         if self.num_shards:

@@ -113,20 +113,8 @@ def prefill_shard(config: RunConfig, policy: PolicyRef, prompt: PromptRef, shard
         )
     ctx = held.policy(config, policy)
     example = held.check_prompt(ctx, prompt)
-    if active_group() is None:
-        session = held.session(ctx, example)
-        before = session.shards_computed
-        session.ensure_shard(shard)
-        computed = session.shards_computed > before
-    else:
-        ctx.gather_weights()
-        session = held.sharded_session(ctx, example)
-        before = len(session.computed)
-        session.ensure_shard(shard)
-        # Whether any rank computed a shard in this call (its owner did, or nobody).
-        flag = torch.tensor([int(len(session.computed) > before)])
-        dist.all_reduce(flag)
-        computed = bool(flag.item())
+    ctx.gather_weights()
+    computed = held.prefill_session(ctx, example).computed_through(shard)
     return ShardRef(
         prompt_digest=prompt.prompt_digest,
         shard=shard,
@@ -145,14 +133,9 @@ def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> P
     ctx = held.policy(config, policy)
     example = held.check_prompt(ctx, prompt)
     ctx.gather_weights()
-    if active_group() is None:
-        _, outcome = held.session(ctx, example).finish()
-        computed, reused, ref = outcome.shards_computed, outcome.shards_reused, outcome.ref
-    else:
-        _, outcome = held.sharded_state(ctx, example)
-        counts = torch.tensor([outcome.shards_computed, outcome.shards_restored])
-        dist.all_reduce(counts)
-        computed, reused, ref = int(counts[0]), int(counts[1]), outcome.ref
+    session = held.prefill_session(ctx, example)
+    session.finish()
+    ref, computed, reused = session.totals()
     return PrefillReport(
         state=ref,
         shards_computed=computed,
