@@ -90,37 +90,10 @@ class CrossRankExchange(PrefixExchange):
             "mla": kinds["mla"] | {"layer_class": CrossRankSegmentMlaLayer},
         }
 
-    def replay_branch(
-        self,
-        model: PreTrainedModel,
-        state,
-        response_ids: torch.Tensor,
-        *,
-        temperature: float,
-        cotangent,
-    ) -> tuple[torch.Tensor, Callable[[], None]]:
-        from longstraw.distributed.sharded_replay import sharded_branch_logprobs
-
-        logp, branch = sharded_branch_logprobs(
-            model,
-            state,
-            response_ids,
-            group=self.group,
-            temperature=temperature,
-            cotangent=cotangent,
-        )
-
-        def hand_back() -> None:
-            if cotangent is not None:
-                branch.add_leaf_grads_into(cotangent)
-
-        return logp, hand_back
-
-    def decoding_cache(self, state, *, batch_size: int, branch_capacity: int):
-        from longstraw.distributed.sharded_replay import ShardedBranch
-
-        del branch_capacity  # the cross-rank layers grow their kept K/V step by step
-        return ShardedBranch(state, None, self.group, keep_branch=True, batch_size=batch_size).cache
+    def branch_kind_kwargs(self, state, *, keep_branch: bool, branch_capacity: int) -> dict:
+        # The cross-rank layers grow their kept K/V step by step: no capacity to preallocate.
+        del branch_capacity
+        return cross_rank_kind_kwargs(state, self.group, keep_branch=keep_branch)
 
     def check_draws(self, choice_G1: torch.Tensor, step: int) -> None:
         """Every rank drew the same G tokens at this step (else raise on every rank): a rank

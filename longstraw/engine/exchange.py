@@ -49,6 +49,12 @@ class PrefixExchange:
         del state
         return None
 
+    def branch_kind_kwargs(self, state, *, keep_branch: bool, branch_capacity: int) -> dict:
+        """Per layer kind field, extra arguments of its `branch_layer` (`engine.replay`)."""
+        del state
+        attention = {"keep_branch": keep_branch, "branch_capacity": branch_capacity}
+        return {"full_attention": attention, "mla": attention}
+
     def replay_branch(
         self,
         model: PreTrainedModel,
@@ -63,12 +69,13 @@ class PrefixExchange:
         from longstraw.engine.replay import replay_branch
 
         logp, branch = replay_branch(
-            model, state, response_ids, temperature=temperature, cotangent=cotangent
-        )
+            model, state, response_ids, temperature=temperature, cotangent=cotangent,
+            exchange=self,
+        )  # fmt: skip
 
         def hand_back() -> None:
             if cotangent is not None:
-                branch.add_leaf_grads_into(cotangent, state)
+                branch.add_leaf_grads_into(cotangent)
 
         return logp, hand_back
 
@@ -78,8 +85,9 @@ class PrefixExchange:
         from longstraw.engine.replay import branch_cache
 
         return branch_cache(
-            state, keep_branch=True, batch_size=batch_size, branch_capacity=branch_capacity
-        ).cache
+            state, keep_branch=True, batch_size=batch_size, branch_capacity=branch_capacity,
+            exchange=self,
+        ).cache  # fmt: skip
 
     def check_draws(self, choice_G1: torch.Tensor, step: int) -> None:
         """Called with every decode step's draws [G, 1] before they are used."""

@@ -7,7 +7,7 @@ heads, Dk / Dv delta-rule key / value dims, R latent rank, E rope dim, Di indexe
 Users of these objects, single process and sequence-sharded alike:
 - `allocate`: `engine.state.PrefixState` (a whole state or a rank's part);
 - `prefill_layer`: `engine.prefill`, `distributed.sharded_prefill.owner_prefill_cache`;
-- `branch_layer`: `engine.replay.branch_cache`, `distributed.sharded_replay.ShardedBranch`;
+- `branch_layer`: `engine.replay.branch_cache` (one process or a rank);
 - `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard);
 - `segment_layer`: `engine.segmented_replay` and `engine.branch_tree`, on either placement
   (`engine.exchange` says how the prompt's part held by other ranks is read).

@@ -76,19 +76,17 @@ class BranchCache:
     """A `StateCache` for one replay plus the linear-attention leaves it forked (exact mode)."""
 
     cache: StateCache
-    conv_leaves: dict[int, torch.Tensor]
-    recurrent_leaves: dict[int, torch.Tensor]
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    """Gated DeltaNet slot -> (conv tail [B, C, W], recurrent state [B, H, Dk, Dv]) forked from
+    the final state, leaves of the branch's graph."""
 
-    def add_leaf_grads_into(self, cotangent: PromptCotangent, state: PrefixState) -> None:
+    def add_leaf_grads_into(self, cotangent: PromptCotangent) -> None:
         """After backward: add the gradient of the forked final state into the cotangent."""
-        for layer_idx, leaf in self.conv_leaves.items():
-            if leaf.grad is not None:
-                cotangent.conv[state.spec.linear_attention_slot(layer_idx)] += leaf.grad.float()
-        for layer_idx, leaf in self.recurrent_leaves.items():
-            if leaf.grad is not None:
-                cotangent.recurrent[state.spec.linear_attention_slot(layer_idx)] += (
-                    leaf.grad.float()
-                )
+        for slot, (conv, recurrent) in self.leaves.items():
+            if conv.grad is not None:
+                cotangent.conv[slot] += conv.grad.float()
+            if recurrent.grad is not None:
+                cotangent.recurrent[slot] += recurrent.grad.float()
 
 
 def branch_cache(
@@ -98,26 +96,25 @@ def branch_cache(
     keep_branch: bool = False,
     batch_size: int = 1,
     branch_capacity: int = 0,
+    exchange: PrefixExchange = LOCAL,
 ) -> BranchCache:
-    """Layers that read the whole prompt state; with `cotangent`, collect dS during backward.
+    """Layers that read the prompt state (this process's, or across the ranks as `exchange`
+    says); with `cotangent`, collect this process's part of dS during backward.
 
-    `keep_branch` (decoding): attention layers keep the rows' own K/V / latents between forwards,
-    in buffers preallocated for `branch_capacity` tokens.
+    `keep_branch` (decoding): attention layers keep the rows' own K/V / latents between forwards
+    (in buffers preallocated for `branch_capacity` tokens where the layers take one).
     """
-    attention = {"keep_branch": keep_branch, "branch_capacity": branch_capacity}
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     layers = branch_layers(
         state,
         cotangent,
         leaves=leaves,
         batch_size=batch_size,
-        kind_kwargs={"full_attention": attention, "mla": attention},
+        kind_kwargs=exchange.branch_kind_kwargs(
+            state, keep_branch=keep_branch, branch_capacity=branch_capacity
+        ),
     )
-    la = state.spec.linear_attention
-    conv_leaves = {la.layer_indices[slot]: conv for slot, (conv, _) in leaves.items()}
-    recurrent_leaves = {la.layer_indices[slot]: rec for slot, (_, rec) in leaves.items()}
-    cache = StateCache(layers, position_offset=state.num_tokens)
-    return BranchCache(cache, conv_leaves, recurrent_leaves)
+    return BranchCache(StateCache(layers, position_offset=state.num_tokens), leaves)
 
 
 def branch_input_ids(state: PrefixState, response_ids: torch.Tensor) -> torch.Tensor:
@@ -191,16 +188,18 @@ def replay_branch(
     *,
     temperature: float = 1.0,
     cotangent: PromptCotangent | None = None,
+    exchange: PrefixExchange = LOCAL,
 ) -> tuple[torch.Tensor, BranchCache]:
-    """(log-probs [R], the branch's cache): after backward, `cache.add_leaf_grads_into(cotangent,
-    state)` adds the gradient of the forked linear-attention state (exact mode)."""
+    """(log-probs [R], the branch's cache): after backward, `cache.add_leaf_grads_into(cotangent)`
+    adds the gradient of the forked linear-attention state (exact mode). On a sequence group
+    every rank calls this with the same arguments (replicated) and gets the same bits."""
     vocab = model.config.get_text_config().vocab_size
     response = as_token_tensor(response_ids, what="response_ids", vocab_size=vocab).to(model.device)
     check_positions(state.spec, state.prompt_len + response.numel(), what="prompt + response")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    forked = branch_cache(state, cotangent)
+    forked = branch_cache(state, cotangent, exchange=exchange)
     logits = replay_logits(
-        model, state, branch_input_ids(state, response).unsqueeze(0), forked.cache
+        model, state, branch_input_ids(state, response).unsqueeze(0), forked.cache, exchange
     )
     return token_logprobs(logits, response.unsqueeze(0), temperature)[0], forked

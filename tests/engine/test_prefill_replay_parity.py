@@ -92,7 +92,7 @@ def test_branch_replay_with_autograd_backpropagates_through_the_prefix_state(tin
     # Same ops with and without autograd: the values must not depend on grad mode.
     assert torch.equal(logp.detach(), no_grad_logp), (logp - no_grad_logp).abs().max()
     logp.sum().backward()
-    branch.add_leaf_grads_into(cotangent, state)
+    branch.add_leaf_grads_into(cotangent)
 
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all(g is None or torch.isfinite(g).all() for g in grads.values())

@@ -52,7 +52,7 @@ def _replay(model, state, responses, advantages, mode: str) -> None:
         logp, branch = replay_branch(model, state, response, cotangent=cotangent)
         logp.sum().backward()
         if cotangent is not None:
-            branch.add_leaf_grads_into(cotangent, state)
+            branch.add_leaf_grads_into(cotangent)
 
 
 @pytest.mark.parametrize("mode", MODES)
