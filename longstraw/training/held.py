@@ -13,12 +13,16 @@ With `parallel.world_size > 1` each rank holds its own part of every prompt stat
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
+from collections.abc import Iterator
 
 import torch
 
 from longstraw.distributed.stage_group import active_group
 from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import StateBudget
 from longstraw.schemas.refs import PolicyRef, PromptRef
 from longstraw.schemas.run import RunConfig
@@ -160,40 +164,50 @@ def prompt_state(ctx: RunContext, example: PromptExample):
     return state
 
 
-def reference_state(ctx: RunContext, example: PromptExample):
-    """The reference model's state of `example`: prefilled once per prompt and run.
+@contextlib.contextmanager
+def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixState]:
+    """The reference model's state of `example` for the block: prefilled once per prompt and run.
 
     Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
-    state reads back free in-process); with persist_mode off, the run context keeps it.
+    state reads back free in-process); under `engine.state_budget_bytes` it is then tiered from
+    its prefill like the policy's (no cotangent: the reference only scores) or streams from its
+    committed chunks, and is dropped after the block (its tiers and their hooks on the reference
+    model too). With persist_mode off the run context keeps it resident for the run (there is
+    no storage to stream it from again); the scoring stage tiers it for its block.
     """
-    from longstraw.training.persisted_prefill import persisted_prefill
-
     keep = ctx.config.storage.persist_mode == "off"
     if keep and example.digest in ctx.reference_states:
-        return ctx.reference_states[example.digest]
-    key = StateKey.reference(ctx.reference_digest, example.digest)
-    if active_group() is not None:
-        from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
-
-        state, _ = persisted_sharded_prefill(
-            ctx.reference_model,
-            example.prompt_ids,
-            shard_tokens=ctx.config.engine.shard_tokens,
-            storage=ctx.config.storage,
-            key=key,
-            schedule=ctx.config.parallel.schedule,
-        )
+        yield ctx.reference_states[example.digest]
+        return
+    budget = None if keep else StateBudget.of(ctx.config.engine)
+    options = dict(
+        shard_tokens=ctx.config.engine.shard_tokens,
+        storage=ctx.config.storage,
+        key=StateKey.reference(ctx.reference_digest, example.digest),
+        budget=None if budget is None else dataclasses.replace(budget, exact=False),
+    )
+    if active_group() is None:
+        session = PrefillSession(ctx.reference_model, example.prompt_ids, **options)
     else:
-        state, _ = persisted_prefill(
-            ctx.reference_model,
-            example.prompt_ids,
-            shard_tokens=ctx.config.engine.shard_tokens,
-            storage=ctx.config.storage,
-            key=key,
-        )
+        from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+
+        session = ShardedPrefillSession(
+            ctx.reference_model, example.prompt_ids, schedule=ctx.config.parallel.schedule,
+            **options,
+        )  # fmt: skip
+    try:
+        state, _ = session.finish()
+    except BaseException:
+        session.discard()
+        raise
     if keep:
         ctx.reference_states[example.digest] = state
-    return state
+        yield state
+        return
+    try:
+        yield state
+    finally:
+        session.discard()
 
 
 def sampling_generator(config: RunConfig, step: int, prompt_index: int) -> torch.Generator:

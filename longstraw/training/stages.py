@@ -18,6 +18,7 @@ state) as a one-line StorageFault (`training.storage_faults`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -322,13 +323,15 @@ def score_group(
     example = held.check_prompt(ctx, rollout.prompt)
     ctx.gather_weights()
     responses = rollout_record(rollout).response_ids
-    if which == "reference":
-        if ctx.reference_model is None:
-            return None
-        model, state = ctx.reference_model, held.reference_state(ctx, example)
-    else:
-        model, state = ctx.model, held.prompt_state(ctx, example)
-    with budgeted_state(config.engine, model, state) as state:
+    with contextlib.ExitStack() as stack:
+        if which == "reference":
+            if ctx.reference_model is None:
+                return None
+            model = ctx.reference_model
+            state = stack.enter_context(held.reference_state(ctx, example))
+        else:
+            model, state = ctx.model, held.prompt_state(ctx, example)
+        state = stack.enter_context(budgeted_state(config.engine, model, state))
         scored = score_logprobs(model, state, responses, temperature=config.grpo.temperature)
         traffic = state_traffic(state)
     path = artifacts.step_dir(config.storage, config.run_id, policy.step) / (
