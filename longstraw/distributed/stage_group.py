@@ -18,6 +18,14 @@ tensors' traffic over `parallel.backend` (NCCL on GPUs). After every stage, the 
 their outcome, so an error on any rank fails the stage on all of them with that rank's
 traceback; a rank that died breaks the connections and fails the driver's next collective with
 `RankFailedError`.
+
+A `UserError` in a stage (a storage fault: a full disk, a damaged state; a failing reward) ends
+the run as the same one line on any rank. It may come in the middle of the stage's collectives,
+so it does not wait for the outcome exchange: the driver raises its own at once; a serving rank
+puts its (pickled) error in the group's store and leaves the group, which fails the driver's
+next collective with it at once, and the driver raises that rank's error (the rank's traceback
+rides on it as its cause). Either way the group is over: `stop` ends the spawned ranks without
+waiting for them.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import faulthandler
 import functools
 import importlib
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -42,22 +51,36 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longstraw.distributed.launch import RankFailedError, free_port
+from longstraw.errors import UserError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _STOP = "__stop__"
+_FAULT_KEY = "longstraw/stage-fault"
+"""Store key of a serving rank's UserError: (rank, stage, traceback, pickled error)."""
 _PR_SET_PDEATHSIG = 1
 
 
 class StageGroup:
     """The ranks of one run; rank 0 drives (`call`), the others `serve`."""
 
-    def __init__(self, rank: int, world_size: int, control: dist.ProcessGroup, procs: list):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        control: dist.ProcessGroup,
+        procs: list,
+        store: dist.Store | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.control = control
         self.procs = procs
         """Ranks this process spawned (empty under torchrun and on serving ranks)."""
+        self.store = store
+        """The rendezvous store: where a serving rank leaves the UserError that ended it."""
+        self.broken = False
+        """A stage ended in a UserError: the ranks are no longer in step."""
         self.serving = threading.local()
 
     @property
@@ -70,12 +93,17 @@ class StageGroup:
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         """Run stage `name` on every rank; rank 0's result."""
         assert self.is_driver, "only rank 0 drives stages"
+        assert not self.broken, "the rank group ended with a failed stage; start a new one"
         try:
             dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
             return self._run(name, args, kwargs)
-        except RankFailedError:
+        except (RankFailedError, UserError):
             raise
         except (RuntimeError, ConnectionError) as error:
+            reported = self.reported_error()
+            if reported is not None:
+                self.broken = True
+                raise reported from reported.__cause__
             dead = self.dead_rank()
             if dead is not None:
                 rank, code = dead
@@ -90,6 +118,8 @@ class StageGroup:
         try:
             result, failure = fn(*args, **kwargs), None
         except Exception as error:  # reported to every rank below
+            if isinstance(error, UserError) and self._end_with(error, name):
+                raise
             result, failure = None, (self.rank, type(error).__name__, traceback.format_exc())
             if not self.is_driver:
                 # Said at once: the driver may be waiting in a collective this rank never joins,
@@ -106,6 +136,32 @@ class StageGroup:
             raise RankFailedError(rank, f"stage {name} raised {kind} on rank {rank}:\n{detail}")
         return result
 
+    def _end_with(self, error: UserError, name: str) -> bool:
+        """A UserError ends the group (the other ranks may be in a collective this rank never
+        joins): the driver raises it; a serving rank leaves it in the store, then the group.
+        False where it cannot be left there (the outcome exchange then says it)."""
+        if not self.is_driver:
+            try:
+                report = pickle.dumps((self.rank, name, traceback.format_exc(), error))
+                self.store.set(_FAULT_KEY, report)
+            except Exception:  # not picklable, or no store
+                return False
+        self.broken = True
+        return True
+
+    def reported_error(self) -> UserError | None:
+        """The UserError a serving rank left in the store (its traceback as the cause)."""
+        try:
+            if self.store is None or not self.store.check([_FAULT_KEY]):
+                return None
+            rank, name, detail, error = pickle.loads(self.store.get(_FAULT_KEY))
+        except Exception:  # a store gone with the ranks: nothing to say beyond the failure
+            return None
+        error.__cause__ = RankFailedError(
+            rank, f"stage {name} raised {type(error).__name__} on rank {rank}:\n{detail}"
+        )
+        return error
+
     def serve(self) -> None:
         """Run the driver's stages until it stops the group (serving ranks only)."""
         while True:
@@ -114,9 +170,12 @@ class StageGroup:
             name, args, kwargs = message[0]
             if name == _STOP:
                 return
-            with contextlib.suppress(RankFailedError):
-                # The driver raises it; a serving rank goes on to the next command.
+            try:
                 self._run(name, args, kwargs)
+            except RankFailedError:
+                pass  # the driver raises it; a serving rank goes on to the next command
+            except UserError:
+                return  # left in the store for the driver: this rank leaves the group
 
     def dead_rank(self) -> tuple[int, int] | None:
         """(rank, exit code) of a spawned rank that has exited, if any."""
@@ -127,9 +186,12 @@ class StageGroup:
 
     def stop(self) -> None:
         """Release the serving ranks and the process group (driver)."""
-        if self.is_driver and self.dead_rank() is None:
+        if self.is_driver and self.dead_rank() is None and not self.broken:
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([(_STOP, (), {})], src=0, group=self.control)
+        for proc in self.procs:
+            if self.broken:
+                proc.terminate()  # it may wait in a collective the driver never joins
         for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
@@ -206,7 +268,8 @@ def _join(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return StageGroup(rank, world_size, control, [])
+    store = dist.distributed_c10d._get_default_store()
+    return StageGroup(rank, world_size, control, [], store)
 
 
 def _serve_spawned(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -652,9 +653,18 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
     if chosen[0] is None:
         return checkpoint_ref(final) if is_writer() else None
     tmp = Path(chosen[0])
-    save_optimizer_part(tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size)
-    weights = full_state_dict(ctx.model, ctx.weights, copy=is_writer())
-    dist.barrier(group=control)
+    try:
+        save_optimizer_part(
+            tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size
+        )
+        weights = full_state_dict(ctx.model, ctx.weights, copy=is_writer())
+        dist.barrier(group=control)
+    except BaseException:
+        # A rank's failed write (a full disk on its node) fails this rank's collectives too: the
+        # temporary directory goes, as a single process's failed write removes its own.
+        if is_writer():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if not is_writer():
         return None
     return commit_checkpoint(

@@ -472,3 +472,124 @@ def test_a_frozen_endpoint_is_a_bounded_wait_with_a_warning(s3_env, caplog):
         listener.close()
         for sock in held:
             sock.close()
+
+
+# A disk that fills under one rank only (a node's own volume): every process imports this
+# sitecustomize (the test's directory is first on PYTHONPATH), and the write of rank R's
+# optimizer rows into step 1's checkpoint (each rank writes its own part) fails as a full disk
+# does. The other rank is then inside the same stage, in collectives rank R never joins.
+RANK_DISK_FULL = """
+import errno, os
+
+import safetensors.torch
+
+_save_file = safetensors.torch.save_file
+
+
+def save_file(tensors, filename, *args, **kwargs):
+    kind, _, rank = os.environ.get("FAULT", "").partition(":")
+    if kind == "full-on-rank" and "/v000002.tmp-" in str(filename) and str(filename).endswith(
+        f"/optimizer-rank{rank}-of-2.safetensors"
+    ):
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+    return _save_file(tensors, filename, *args, **kwargs)
+
+
+safetensors.torch.save_file = save_file
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rank", "prefect"),
+    [(1, False), (0, False), pytest.param(1, True, marks=pytest.mark.prefect)],
+    ids=["rank1", "rank0", "rank1-prefect"],
+)
+def test_a_disk_that_fills_under_one_rank_ends_in_the_same_one_line(
+    rank, prefect, tmp_path, checkpoint_dir, fresh_prefect_home
+):
+    env = {}
+    if prefect:  # the embedded default, its Prefect home beside the run
+        home = fresh_prefect_home(tmp_path / "prefect")
+        env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    root = tmp_path / "root"
+    _write_run(
+        tmp_path,
+        checkpoint_dir("llama"),
+        {"root_uri": str(root)},
+        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 300},
+    )
+    (tmp_path / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    started = time.monotonic()
+    fault = f"full-on-rank:{rank}"
+    rc, lines = _train_watching_children(tmp_path, fault=fault, prefect=prefect, env=env)
+    line = _assert_one_error_line(
+        rc,
+        lines,
+        f"no space left on the volume of {root} ",
+        f"writing {root}/runs/faulty/checkpoints/v000002/optimizer-rank{rank}-of-2.safetensors",
+        "free at least",
+        "then continue it with: longstraw train --config run.yaml --resume",
+    )
+    assert "rank " not in line, line
+    # Said when the rank fails, not after parallel.timeout_s.
+    assert time.monotonic() - started < 240, time.monotonic() - started
+    run = root / "runs" / "faulty"
+    assert not (run / "RUN.lock").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
+
+    rc, lines = _train(tmp_path, "--resume", prefect=prefect, env=env)
+    assert rc == 0, "\n".join(lines)[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _train_watching_children(
+    cwd: Path, *, fault: str, prefect: bool, env: dict
+) -> tuple[int, list[str]]:
+    """`_train`, asserting that no process it started (ranks, Prefect's server) outlives it."""
+    import psutil
+
+    path = os.pathsep.join([str(cwd), str(REPO), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml"]
+    log = (cwd / "train.log").open("w+")
+    process = subprocess.Popen(
+        command + ([] if prefect else ["--no-prefect"]),
+        cwd=cwd,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+            "PYTHONPATH": path,
+            "FAULT": fault,
+            **env,
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    children: dict[int, psutil.Process] = {}
+    commands: dict[int, str] = {}
+    try:
+        while process.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    children[child.pid] = child
+                    commands.setdefault(child.pid, " ".join(child.cmdline()))
+            time.sleep(0.2)
+        log.seek(0)
+        out = log.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait()
+    assert any("multiprocessing" in c for c in commands.values()), "no rank was started"
+
+    def alive(child: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return child.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    # multiprocessing's resource tracker exits once the last process holding its pipe is gone.
+    psutil.wait_procs([c for c in children.values() if alive(c)], timeout=5)
+    left = [pid for pid, child in children.items() if alive(child)]
+    assert not left, f"{[commands[p] for p in left]} outlived the run:\n{out[-4000:]}"
+    return process.returncode, out.strip().splitlines()
