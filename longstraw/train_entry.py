@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from longstraw.console import cli_console
-from longstraw.schemas.run import RunConfig, load_run_config, validated_run_config
+from longstraw.schemas.run import RunConfig, load_run_config, merged, validated_run_config
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
 
@@ -66,27 +66,25 @@ def resolve_config(
     resume: bool,
     world_size: int | None = None,
 ) -> RunConfig:
-    overrides: dict = {}
-    if run_id is not None:
-        overrides["run_id"] = run_id
+    identity = {} if run_id is None else {"run_id": run_id}
     config = (
-        load_run_config(config_path, **overrides)
+        load_run_config(config_path, **identity)
         if config_path
-        else validated_run_config(overrides, "command-line options")
+        else validated_run_config(identity, "command-line options")
     )
-    updates: dict = {}
-    # Dumped and validated again below (model_copy does not validate): `--steps 0` is refused.
-    if steps is not None:
-        updates["train"] = {**config.train.model_dump(), "num_steps": steps}
-    if root is not None:
-        updates["storage"] = {**config.storage.model_dump(), "root_uri": root}
-    if world_size is not None:
-        updates["parallel"] = {**config.parallel.model_dump(), "world_size": world_size}
-    if updates:
-        config = validated_run_config(
-            config.model_dump() | updates,
-            "command-line options",
+    # Merged section by section as the flow merges its overrides (`schemas.run.merged`), and
+    # validated as the command line's: `--steps 0` is refused naming the option's field.
+    updates = {
+        section: {field: value}
+        for section, field, value in (
+            ("train", "num_steps", steps),
+            ("storage", "root_uri", root),
+            ("parallel", "world_size", world_size),
         )
+        if value is not None
+    }
+    if updates:
+        config = validated_run_config(merged(config.model_dump(), updates), "command-line options")
     exists = latest_checkpoint(config.storage, config.run_id) is not None
     if exists and not resume and config_path is None and run_id is None:
         # The embedded demo never collides with an earlier demo run: give it a fresh id.
