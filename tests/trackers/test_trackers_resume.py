@@ -158,9 +158,9 @@ def killed_and_resumed(tmp_path_factory, checkpoint_dir):
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     # Nothing of the trackers on the console after the summary (no banner, no late exit hook).
-    assert resumed.stdout.rstrip().splitlines()[-1].startswith(f"{root}/runs/{RUN_ID}/check"), (
-        resumed.stdout[-1500:]
-    )
+    last = resumed.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("finished in "), resumed.stdout[-1500:]
+    assert last.endswith(f"latest checkpoint: {root}/runs/{RUN_ID}/checkpoints/v000004"), last
     return run_path, before
 
 
