@@ -24,7 +24,15 @@ from longstraw.distributed.cross_rank_attention import (
     finish_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, CrossRankSegmentMlaLayer
+from longstraw.distributed.gradient_slices import (
+    GradSlices,
+    SliceLayout,
+    receive_gradient_slices,
+    slices_drained_into,
+    slices_scattered_from_owner,
+)
 from longstraw.engine.exchange import PrefixExchange
+from longstraw.engine.group import GradientSink, trainable_parameters
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS
 from longstraw.engine.state import Placement
 
@@ -110,6 +118,25 @@ class CrossRankExchange(PrefixExchange):
                 f"rank 0 drew {parts[0].tolist()}; seed every rank's generator identically and "
                 "use the same model weights, dtype and sampling parameters on every rank"
             )
+
+    def gradient_sink(self, model: PreTrainedModel, *, data_size: int = 1) -> GradientSink:
+        """This rank's dim-0 rows of the gradient (`gradient_slices`): branch replay (the same
+        on every rank) adds its rows, the sweep's gradient of a shard is scattered from its
+        owner."""
+        layout = SliceLayout(dist.get_rank(self.group), dist.get_world_size(self.group), data_size)
+        params, slices = trainable_parameters(model), GradSlices(model, layout)
+        return GradientSink(
+            slices,
+            replay=slices_drained_into(params, slices),
+            sweep=slices_scattered_from_owner(params, slices, group=self.group),
+            on_gradient_slices=receive_gradient_slices(params, slices, group=self.group),
+        )
+
+    def busiest(self, figures: list[int]) -> list[int]:
+        """The largest of each figure over the ranks: what a per-node memory limit must cover."""
+        values = torch.tensor(figures, dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values.tolist()
 
     def placement(self) -> Placement:
         return Placement(dist.get_rank(self.group), dist.get_world_size(self.group))

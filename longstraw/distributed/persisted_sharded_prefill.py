@@ -36,26 +36,22 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.sharded_prefill import allocate_sharded_state, sharded_prefill
 from longstraw.distributed.wavefront_prefill import wavefront_prefill
-from longstraw.engine.layer_kinds import named_arrays
-from longstraw.engine.state import PrefixState, token_rows
+from longstraw.engine.state import PrefixState
+from longstraw.engine.state_layout import restore_shard, shard_payload, state_layout
 from longstraw.engine.state_tiers import StateBudget, tiered_like
 from longstraw.schemas.storage import (
-    ArraySpec,
     PrefixStateRef,
     StateKey,
-    StateLayout,
     StorageConfig,
 )
 from longstraw.storage import (
     BackgroundStateWriter,
-    ShardData,
     StateKeyMismatchError,
     open_persisting_writer,
     read_manifest,
 )
 from longstraw.storage.paths import state_dir_uri
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # How often a rank looks for the previous rank's boundary shard manifest (background writers
 # record it asynchronously; synchronous ones have it before the next shard starts).
 _POLL_S = 0.05
@@ -78,57 +74,6 @@ class ShardedPrefillOutcome:
     """Shards of the previous rank read back for lineage (0 or 1)."""
 
 
-def sharded_state_tensors(state: PrefixState) -> dict[str, torch.Tensor]:
-    """This rank's arrays by storage name (the names of `PrefixState.tensors()`)."""
-    return named_arrays(state)
-
-
-def sharded_state_layout(state: PrefixState) -> StateLayout:
-    """The storage layout of the WHOLE state a sharded prefill computes (every rank: the same).
-
-    Equal to the single-process `state_layout(PrefixState)`, so either path reads the other's
-    state: token arrays [L, T, ...], checkpoint arrays [L, S + 1, ...].
-    """
-    specs = []
-    for name, tensor in sharded_state_tensors(state).items():
-        if name.startswith("linear_attention/"):
-            kind, along = "checkpoint", state.num_shards + 1
-        else:
-            kind, along = "token", state.num_tokens
-        shape = (tensor.shape[0], along, *tensor.shape[2:])
-        specs.append(ArraySpec(name=name, kind=kind, shape=shape, dtype=_DTYPE_NAMES[tensor.dtype]))
-    return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
-
-
-def _shard_payload(state: PrefixState, shard: int):
-    """(token slices, end checkpoints, start checkpoints for shard 0) of an owned shard."""
-    start, end = state.bounds[shard]
-    local = shard - state.shards[0]
-    tokens, ends, initial = {}, {}, {}
-    for name, tensor in sharded_state_tensors(state).items():
-        if name.startswith("linear_attention/"):
-            ends[name] = tensor[:, local + 1]
-            initial[name] = tensor[:, 0]
-        else:
-            tokens[name] = token_rows(tensor, start - state.token_start, end - state.token_start)
-    return tokens, ends, (initial if shard == 0 else None)
-
-
-def _restore_shard(state: PrefixState, shard: int, data: ShardData) -> None:
-    start, end = state.bounds[shard]
-    local = shard - state.shards[0]
-    tensors = sharded_state_tensors(state)
-    rows = slice(start - state.token_start, end - state.token_start)
-    for name, piece in data.token_slices.items():
-        target = tensors[name]
-        for slot in range(target.shape[0]):
-            target[slot, rows] = piece[slot]
-    for name, piece in data.checkpoints.items():
-        tensors[name][:, local + 1] = piece
-    for name, piece in (data.initial_checkpoints or {}).items():
-        tensors[name][:, 0] = piece
-
-
 def _await_manifest(writer, shard: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while shard not in writer.completed_shards():
@@ -146,7 +91,7 @@ def _adopt_boundary_shard(writer, state: PrefixState, timeout_s: float) -> None:
     _await_manifest(writer, previous, timeout_s)
     data = writer.read_shard(previous)
     for name, piece in data.checkpoints.items():
-        handed = sharded_state_tensors(state)[name][:, 0]
+        handed = state.tensors()[name][:, 0]
         if not torch.equal(piece, handed.cpu()):
             raise StateKeyMismatchError(
                 f"recorded shard {previous} ends in another {name!r} than the state rank "
@@ -208,7 +153,7 @@ class ShardedPrefillSession:
         self.outcome: ShardedPrefillOutcome | None = None
         if storage.persist_mode != "off":
             self.writer = open_persisting_writer(
-                storage, key, sharded_state_layout(self.state), resume=True
+                storage, key, state_layout(self.state), resume=True
             )
             self.key = key
             with self._closing_on_error():
@@ -218,7 +163,7 @@ class ShardedPrefillSession:
                 self.resume_at = _broadcast_int(first, group)
                 self.restored = [k for k in self.state.shards if k < self.resume_at]
                 for k in self.restored:
-                    _restore_shard(self.state, k, self.writer.read_shard(k))
+                    restore_shard(self.state, k, self.writer.read_shard(k))
                 # The first shard this rank writes follows a shard it did not write or read:
                 # the previous rank's last one.
                 shards = self.state.shards
@@ -242,7 +187,7 @@ class ShardedPrefillSession:
         if self.writer is not None:
             if shard == local.shards[0] and self.needs_boundary:
                 _adopt_boundary_shard(self.writer, local, self.manifest_timeout_s)
-            self.writer.write_shard(shard, *_shard_payload(local, shard))
+            self.writer.write_shard(shard, *shard_payload(local, shard))
         self.computed.append(shard)
         if self.on_shard is not None:
             self.on_shard(local, shard)

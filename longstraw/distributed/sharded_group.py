@@ -28,24 +28,20 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.exchange import CrossRankExchange
-from longstraw.distributed.gradient_slices import (
-    GradSlices,
-    SliceLayout,
-    receive_gradient_slices,
-    slices_drained_into,
-    slices_scattered_from_owner,
-)
+from longstraw.distributed.gradient_slices import GradSlices
 from longstraw.engine.group import (
     GradBuffer,
     ReplayRecord,
     drain_grads_into,
     grads_drained_into,
+    group_gradient,
     group_inputs,
     replay_and_sweep,
     trainable_parameters,
 )
 from longstraw.engine.state import PrefixState
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.run import EngineConfig
 
 
 def all_reduce_rank_gradients(
@@ -140,37 +136,18 @@ def sharded_group_gradient_slices(
     responses: Sequence[torch.Tensor],
     advantages: torch.Tensor | Sequence[float],
     loss_config: GRPOConfig,
-    **options,
-) -> tuple[GradSlices, list[torch.Tensor]]:
-    """`sharded_group_gradients` with sequence-sharded accumulators: (THIS rank's fp32 slices of
-    the group's gradient, per-branch log-probs [G][R_i]); `options` are those of
-    `sharded_group_slice_replay`."""
-    slices, record = sharded_group_slice_replay(
-        model, state, responses, advantages, loss_config, **options
-    )
-    return slices, record.logprobs
-
-
-def sharded_group_slice_replay(
-    model: PreTrainedModel,
-    state: PrefixState,
-    responses: Sequence[torch.Tensor],
-    advantages: torch.Tensor | Sequence[float],
-    loss_config: GRPOConfig,
     *,
     prompt_grad: str = "exact",
     group: dist.ProcessGroup | None = None,
     data_size: int = 1,
-    old_logprobs: Sequence[torch.Tensor] | None = None,
-    loss_masks: Sequence[torch.Tensor] | None = None,
-    num_items_in_batch: float | None = None,
-    num_sequences_in_batch: int | None = None,
-    ref_logprobs: Sequence[torch.Tensor] | None = None,
-    importance_weights: Sequence[torch.Tensor] | None = None,
     branch_segment_tokens: int | None = None,
     share_response_prefixes: bool = False,
-) -> tuple[GradSlices, ReplayRecord]:
-    """This rank's fp32 slices of the group's gradient and the replay's record.
+    **inputs,
+) -> tuple[GradSlices, list[torch.Tensor]]:
+    """`sharded_group_gradients` with sequence-sharded accumulators: (THIS rank's fp32 slices of
+    the group's gradient, per-branch log-probs [G][R_i]) — `engine.group.group_gradient` over
+    `CrossRankExchange(group)`; `inputs` are `engine.group.group_inputs`'s (old and ref
+    log-probs, loss masks, importance weights, the normaliser).
 
     The slices of the ranks of `group` partition every parameter's dim-0 rows
     (`gradient_slices.SliceLayout`; `data_size` = the data replicas they will be averaged over,
@@ -178,25 +155,18 @@ def sharded_group_slice_replay(
     `fsdp.set_sharded_gradients`). Each rank holds one accumulator of about 1/N_s of the fp32
     gradient instead of two dense ones; branch gradients are sliced where autograd accumulates
     them (no traffic), sweep gradients are scattered from the shard's owner per parameter.
-    Not reduced over data. `.grad` of the parameters is left untouched. The same front door as
-    `sharded_group_replay` (`group_inputs`: checks, loss weights, ref log-probs, importance
-    weights, loss masks).
+    Not reduced over data. `.grad` of the parameters is left untouched.
     """
-    inputs = group_inputs(
-        model, responses, advantages, loss_config, prompt_grad=prompt_grad,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_masks=loss_masks,
-        num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
-        importance_weights=importance_weights,
+    checked = group_inputs(
+        model, responses, advantages, loss_config, prompt_grad=prompt_grad, **inputs
+    )
+    engine = EngineConfig(
+        prompt_grad=prompt_grad,
+        branch_segment_tokens=branch_segment_tokens,
+        share_response_prefixes=share_response_prefixes,
+    )
+    slices, stats = group_gradient(
+        model, state, checked, loss_config, engine, exchange=CrossRankExchange(group),
+        data_size=data_size,
     )  # fmt: skip
-    layout = SliceLayout(dist.get_rank(group), dist.get_world_size(group), data_size)
-    params = trainable_parameters(model)
-    slices = GradSlices(model, layout)
-    record = replay_and_sweep(
-        model, state, inputs, loss_config, prompt_grad,
-        replay_sink=slices_drained_into(params, slices),
-        sweep_sink=slices_scattered_from_owner(params, slices, group=group),
-        exchange=CrossRankExchange(group), segment_tokens=branch_segment_tokens,
-        share_prefixes=share_response_prefixes,
-        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
-    )  # fmt: skip
-    return slices, record
+    return slices, [torch.tensor(lp, dtype=torch.float32) for lp in stats.branch_logprobs]

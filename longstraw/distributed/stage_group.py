@@ -214,6 +214,17 @@ def is_writer() -> bool:
     return _active is None or _active.rank == 0
 
 
+def from_writer(value: Any) -> Any:
+    """The writer's `value` on every process of the stage group (the others pass a placeholder):
+    what only rank 0 computes or writes (rewards, a checkpoint's ref) and every rank records.
+    One process: `value`."""
+    if _active is None:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0, group=_active.control)
+    return shared[0]
+
+
 def _resolve(name: str) -> Callable[..., Any]:
     module, _, qualname = name.partition(":")
     target: Any = importlib.import_module(module)

@@ -103,6 +103,26 @@ class PrefixExchange:
         error instead) so that every rank goes on the same way."""
         return call()
 
+    def gradient_sink(self, model: PreTrainedModel, *, data_size: int = 1):
+        """Where a group's gradient accumulates (`engine.group.GradientSink`): one fp32 buffer of
+        the whole gradient, which replay and sweep both drain `.grad` into."""
+        from longstraw.engine.group import GradientSink, grads_drained_into, trainable_parameters
+        from longstraw.grpo.grad_buffer import GradBuffer
+
+        if data_size != 1:
+            raise ValueError(f"data_size {data_size}: one process holds no data replicas")
+        params, buffer = trainable_parameters(model), GradBuffer(model)
+        return GradientSink(
+            buffer,
+            replay=grads_drained_into(params, buffer),
+            sweep=grads_drained_into(params, buffer),
+        )
+
+    def busiest(self, figures: list[int]) -> list[int]:
+        """Per figure (peak bytes, bytes moved), its largest value over the processes that hold
+        the state: here, this one's."""
+        return list(figures)
+
     def placement(self):
         """Which part of a prompt state this process holds (`engine.state.Placement`)."""
         from longstraw.engine.state import WHOLE

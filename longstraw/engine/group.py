@@ -20,7 +20,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -38,7 +38,7 @@ from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.grpo.losses import BranchStats, branch_loss, reduce_stats, sequence_weights
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.grpo import GRPOConfig
-from longstraw.schemas.results import GroupStats, StageSeconds
+from longstraw.schemas.results import GroupStats, StageSeconds, StateTraffic
 from longstraw.schemas.run import EngineConfig
 
 PromptGrad = Literal["exact", "detached"]
@@ -296,14 +296,12 @@ def accumulate_group_gradients(
             f"engine must be a longstraw.EngineConfig (the run config's engine section) or None, "
             f"got {type(engine).__name__}"
         )
-    prompt_grad = engine.prompt_grad
-    branch_segment_tokens = engine.branch_segment_tokens
     inputs = group_inputs(
         model,
         responses,
         advantages,
         loss_config,
-        prompt_grad=prompt_grad,
+        prompt_grad=engine.prompt_grad,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
         loss_masks=loss_masks,
@@ -311,44 +309,108 @@ def accumulate_group_gradients(
         num_sequences_in_batch=num_sequences_in_batch,
         importance_weights=importance_weights,
     )
-    response_ids = inputs.response_ids
-
     # Before any prefill: a response that cannot fit must not cost a prompt's worth of compute.
     prompt_len = (
         prompt.prompt_len if isinstance(prompt, PrefixState) else torch.as_tensor(prompt).numel()
     )
     check_positions(
         state_spec(model),
-        prompt_len + max(r.numel() for r in response_ids),
+        prompt_len + max(r.numel() for r in inputs.response_ids),
         what="prompt + longest response",
     )
-    seconds = {"prefill": 0.0, "replay": 0.0, "sweep": 0.0}
+    prefill_seconds = 0.0
     if isinstance(prompt, PrefixState):
         state = prompt
     else:
         started = time.perf_counter()
         state = prefill(model, prompt, shard_tokens=engine.shard_tokens)
-        seconds["prefill"] = time.perf_counter() - started
+        prefill_seconds = time.perf_counter() - started
 
+    accumulator, stats = group_gradient(model, state, inputs, loss_config, engine)
+    if grad_buffer is None:
+        accumulator.into_param_grads(model)
+    else:
+        grad_buffer.add_(accumulator)
+    seconds = stats.seconds.model_copy(update={"prefill": prefill_seconds})
+    return stats.model_copy(update={"seconds": seconds})
+
+
+class HoldsGrads(Protocol):
+    """A gradient accumulator: fp32 tensors by trainable parameter name."""
+
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass
+class GradientSink:
+    """Where one group's parameter gradients accumulate (`PrefixExchange.gradient_sink`)."""
+
+    accumulator: HoldsGrads
+    """`.grads` by parameter name: the whole fp32 gradient (one process, a `GradBuffer`) or
+    this rank's dim-0 rows of it (`longstraw.distributed.gradient_slices.GradSlices`)."""
+    replay: contextlib.AbstractContextManager
+    """Around branch replay: takes each parameter's gradient as autograd accumulates it."""
+    sweep: contextlib.AbstractContextManager
+    """Around the reverse sweep, likewise."""
+    on_gradient_slices: Callable[[int, int], None] | None = None
+    """The sweep's receiver of gradient rows another rank's shard produced (ranks)."""
+
+
+def group_gradient(
+    model: PreTrainedModel,
+    state: PrefixState,
+    inputs: GroupInputs,
+    loss_config: GRPOConfig,
+    engine: EngineConfig,
+    *,
+    exchange: PrefixExchange = LOCAL,
+    data_size: int = 1,
+) -> tuple[HoldsGrads, GroupStats]:
+    """One group's gradient at any world size: (the accumulator of this process's part of it —
+    `.grads` [name] fp32, whole on one process, this rank's rows on ranks, see
+    `GradientSink.accumulator` —, the group's statistics).
+
+    `state` is the whole prompt state or this rank's part; `exchange` (`engine.exchange`) the
+    placement's, `data_size` the data replicas a rank's rows will be averaged over. Under
+    `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
+    `engine.state_tier`. The figures a memory limit must cover (peak RSS, the cotangent's bytes,
+    the tiered state's traffic) are the busiest rank's. `.grad` is left untouched.
+    """
+    sink = exchange.gradient_sink(model, data_size=data_size)
+    exact = engine.prompt_grad == "exact"
     with tiered_for_group(
-        model,
-        state,
-        engine.state_budget_bytes,
-        engine.state_tier,
-        engine.state_dir,
-        prompt_grad == "exact",
+        model, state, engine.state_budget_bytes, engine.state_tier, engine.state_dir, exact
     ) as state:
-        return _accumulate(
-            model,
-            state,
-            inputs,
-            loss_config,
-            prompt_grad,
-            seconds,
-            grad_buffer,
-            branch_segment_tokens=branch_segment_tokens,
+        record = replay_and_sweep(
+            model, state, inputs, loss_config, engine.prompt_grad,
+            replay_sink=sink.replay, sweep_sink=sink.sweep, exchange=exchange,
+            segment_tokens=engine.branch_segment_tokens,
             share_prefixes=engine.share_response_prefixes,
+            on_gradient_slices=sink.on_gradient_slices,
+        )  # fmt: skip
+        traffic = state_traffic(state)
+        figures = [peak_rss_bytes(), record.cotangent_bytes]
+        if traffic is not None:
+            figures += [traffic.peak_resident_bytes, traffic.bytes_read, traffic.bytes_written]
+        peak, cotangent_bytes, *tiered = exchange.busiest(figures)
+        stats = group_stats(
+            engine.prompt_grad,
+            state,
+            record.losses,
+            [logp.cpu().tolist() for logp in record.logprobs],
+            inputs.lengths,
+            record.stats,
+            {"replay": record.seconds["replay"], "sweep": record.seconds.get("sweep", 0.0)},
+            cotangent_bytes=cotangent_bytes,
+            device=model.device,
+            peak_rss=peak,
         )
+    if tiered:
+        busiest = StateTraffic(
+            peak_resident_bytes=tiered[0], bytes_read=tiered[1], bytes_written=tiered[2]
+        )
+        stats = stats.model_copy(update={"state_traffic": busiest})
+    return sink.accumulator, stats
 
 
 @dataclass
@@ -477,45 +539,6 @@ def replay_and_sweep(
             record.seconds["sweep"] = time.perf_counter() - started
             record.cotangent_bytes = cotangent.nbytes()
     return record
-
-
-def _accumulate(
-    model,
-    state,
-    inputs,
-    loss_config,
-    prompt_grad,
-    seconds,
-    grad_buffer,
-    *,
-    branch_segment_tokens: int | None,
-    share_prefixes: bool,
-):
-    params = trainable_parameters(model)
-    contribution = GradBuffer(model)
-    record = replay_and_sweep(
-        model, state, inputs, loss_config, prompt_grad,
-        replay_sink=grads_drained_into(params, contribution),
-        sweep_sink=grads_drained_into(params, contribution),
-        segment_tokens=branch_segment_tokens, share_prefixes=share_prefixes,
-    )  # fmt: skip
-    seconds.update(record.seconds)
-    if grad_buffer is None:
-        contribution.into_param_grads(model)
-    else:
-        grad_buffer.add_(contribution)
-
-    return group_stats(
-        prompt_grad,
-        state,
-        record.losses,
-        [logp.cpu().tolist() for logp in record.logprobs],
-        inputs.lengths,
-        record.stats,
-        seconds,
-        cotangent_bytes=record.cotangent_bytes,
-        device=model.device,
-    )
 
 
 def group_stats(

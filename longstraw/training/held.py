@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+from transformers import PreTrainedModel
 
 from longstraw.distributed.stage_group import active_group
 from longstraw.engine.exchange import LOCAL, PrefixExchange
@@ -34,7 +35,8 @@ from longstraw.training.prompts import PromptExample
 _lock = threading.RLock()
 _policies: dict[str, RunContext] = {}
 _sessions: dict[tuple, PrefillSession] = {}
-_sharded_sessions: dict[tuple, object] = {}
+"""Prefill sessions by (run, version, weights digest, prompt digest): this process's placement's
+(`new_session`)."""
 
 
 def policy(config: RunConfig, ref: PolicyRef) -> RunContext:
@@ -60,8 +62,6 @@ def forget_run(run_id: str) -> None:
         _policies.pop(run_id, None)
         for key in [k for k in _sessions if k[0] == run_id]:
             _sessions.pop(key).discard()
-        for key in [k for k in _sharded_sessions if k[0] == run_id]:
-            _sharded_sessions.pop(key).discard()
 
 
 def drop_states_before(run_id: str, policy_version: int) -> None:
@@ -69,8 +69,6 @@ def drop_states_before(run_id: str, policy_version: int) -> None:
     with _lock:
         for key in [k for k in _sessions if k[0] == run_id and k[1] < policy_version]:
             _sessions.pop(key).discard()
-        for key in [k for k in _sharded_sessions if k[0] == run_id and k[1] < policy_version]:
-            _sharded_sessions.pop(key).discard()
 
 
 def state_key(ctx: RunContext, example: PromptExample) -> StateKey:
@@ -96,13 +94,27 @@ def check_prompt(ctx: RunContext, prompt: PromptRef) -> PromptExample:
     return example
 
 
-def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
-    """The single-process prefill session of `example` at the run's current version."""
+def new_session(config: RunConfig, model: PreTrainedModel, prompt_ids, **options):
+    """A prefill session for this process's placement: of the whole state here
+    (`PrefillSession`), or of this rank's part of it, which every rank of the stage group holds
+    and calls together (`ShardedPrefillSession`). Both give `ensure_shard`, `computed_through`,
+    `finish`, `totals` and `discard`; `options` are their common arguments."""
+    if active_group() is None:
+        return PrefillSession(model, prompt_ids, **options)
+    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+
+    return ShardedPrefillSession(model, prompt_ids, schedule=config.parallel.schedule, **options)
+
+
+def prefill_session(ctx: RunContext, example: PromptExample):
+    """The prefill session of `example` at the run's current version (`new_session`), kept
+    while the version is current."""
     key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
     with _lock:
         found = _sessions.get(key)
         if found is None:
-            found = PrefillSession(
+            found = new_session(
+                ctx.config,
                 ctx.model,
                 example.prompt_ids,
                 shard_tokens=ctx.config.engine.shard_tokens,
@@ -112,38 +124,6 @@ def session(ctx: RunContext, example: PromptExample) -> PrefillSession:
             )
             _sessions[key] = found
         return found
-
-
-def sharded_session(ctx: RunContext, example: PromptExample):
-    """This rank's `ShardedPrefillSession` of `example` at the run's current version (every
-    rank of the stage group holds its own and calls it together)."""
-    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
-
-    key = (ctx.config.run_id, ctx.policy_version, ctx.weights_digest, example.digest)
-    with _lock:
-        found = _sharded_sessions.get(key)
-        if found is None:
-            found = ShardedPrefillSession(
-                ctx.model,
-                example.prompt_ids,
-                shard_tokens=ctx.config.engine.shard_tokens,
-                storage=ctx.config.storage,
-                key=state_key(ctx, example),
-                schedule=ctx.config.parallel.schedule,
-                budget=StateBudget.of(ctx.config.engine),
-            )
-            _sharded_sessions[key] = found
-        return found
-
-
-def prefill_session(ctx: RunContext, example: PromptExample):
-    """The prefill session of `example` at the run's current version for this process's
-    placement: the whole state here (`PrefillSession`), or this rank's part of it, which every
-    rank of the stage group holds and calls together (`ShardedPrefillSession`). Both give
-    `ensure_shard`, `computed_through`, `finish` and `totals`."""
-    if active_group() is None:
-        return session(ctx, example)
-    return sharded_session(ctx, example)
 
 
 def prefix_exchange() -> PrefixExchange:
@@ -186,15 +166,7 @@ def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixS
         key=StateKey.reference(ctx.reference_digest, example.digest),
         budget=None if budget is None else dataclasses.replace(budget, exact=False),
     )
-    if active_group() is None:
-        session = PrefillSession(ctx.reference_model, example.prompt_ids, **options)
-    else:
-        from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
-
-        session = ShardedPrefillSession(
-            ctx.reference_model, example.prompt_ids, schedule=ctx.config.parallel.schedule,
-            **options,
-        )  # fmt: skip
+    session = new_session(ctx.config, ctx.reference_model, example.prompt_ids, **options)
     try:
         state, _ = session.finish()
     except BaseException:

@@ -18,20 +18,13 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.prefill import prefill
-from longstraw.engine.state import PrefixState, token_rows
+from longstraw.engine.state import PrefixState
+from longstraw.engine.state_layout import restore_shard, shard_payload, state_layout
 from longstraw.engine.state_tiers import StateBudget, allocate_tiered_state
 from longstraw.models.adapters import state_spec
-from longstraw.schemas.storage import (
-    ArraySpec,
-    PrefixStateRef,
-    StateKey,
-    StateLayout,
-    StorageConfig,
-)
+from longstraw.schemas.storage import PrefixStateRef, StateKey, StorageConfig
 from longstraw.storage import StateNotCommittedError, open_committed_state, open_persisting_writer
 from longstraw.storage.paths import state_dir_uri
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -42,19 +35,6 @@ class PrefillOutcome:
     shards_computed: int
     shards_reused: int
     reused_committed: bool
-
-
-def state_layout(state: PrefixState) -> StateLayout:
-    """The storage layout of a prompt state's arrays."""
-    specs = []
-    for name, tensor in state.tensors().items():
-        kind = "checkpoint" if name.startswith("linear_attention/") else "token"
-        specs.append(
-            ArraySpec(
-                name=name, kind=kind, shape=tuple(tensor.shape), dtype=_DTYPE_NAMES[tensor.dtype]
-            )
-        )
-    return StateLayout.build(specs, state.num_tokens, state.shard_tokens)
 
 
 class PrefillSession:
@@ -166,7 +146,7 @@ class PrefillSession:
         while self.filled <= shard:
             k = self.filled
             if k in stored:
-                _fill_shard(self.state, k, self.writer.read_shard(k))
+                restore_shard(self.state, k, self.writer.read_shard(k))
                 self.shards_reused += 1
             else:
                 prefill(
@@ -178,7 +158,7 @@ class PrefillSession:
                     end_shard=k + 1,
                 )
                 if self.writer is not None:
-                    self.writer.write_shard(k, *_shard_payload(self.state, k))
+                    self.writer.write_shard(k, *shard_payload(self.state, k))
                 self.shards_computed += 1
             self.filled += 1
 
@@ -237,28 +217,3 @@ def persisted_prefill(
         return session.finish()
     finally:
         session.close()
-
-
-def _shard_payload(state: PrefixState, shard: int):
-    start, end = state.bounds[shard]
-    tokens, ends, initial = {}, {}, {}
-    for name, tensor in state.tensors().items():
-        if name.startswith("linear_attention/"):
-            ends[name] = tensor[:, shard + 1]
-            initial[name] = tensor[:, 0]
-        else:
-            tokens[name] = token_rows(tensor, start, end)
-    return tokens, ends, (initial if shard == 0 else None)
-
-
-def _fill_shard(state: PrefixState, shard: int, data) -> None:
-    start, end = state.bounds[shard]
-    tensors = state.tensors()
-    for name, piece in data.token_slices.items():
-        target = tensors[name]
-        for slot in range(target.shape[0]):
-            target[slot, start:end] = piece[slot].to(target.device)
-    for name, piece in data.checkpoints.items():
-        tensors[name][:, shard + 1] = piece.to(tensors[name].device)
-    for name, piece in (data.initial_checkpoints or {}).items():
-        tensors[name][:, 0] = piece.to(tensors[name].device)

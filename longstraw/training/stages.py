@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from longstraw.data.rewards import register_haystack_rewards
-from longstraw.distributed.stage_group import active_group, is_writer, on_all_ranks
-from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+from longstraw.distributed.stage_group import active_group, from_writer, is_writer, on_all_ranks
+from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
-from longstraw.engine.state_tiers import state_traffic, tiered_for_group
+from longstraw.engine.state_tiers import state_traffic
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
@@ -49,7 +49,7 @@ from longstraw.schemas.refs import (
     ShardRef,
     UpdateResult,
 )
-from longstraw.schemas.results import AdvantagePlan, GroupStats, StateTraffic, StepMetrics
+from longstraw.schemas.results import AdvantagePlan, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage import artifacts
 from longstraw.storage.checkpoints import (
@@ -237,12 +237,9 @@ def rollout_group(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> Ro
         if is_writer()
         else []
     )
-    if active_group() is not None:
-        # Rewards run once (on rank 0: a user's reward may be costly or call out); every rank
-        # needs them in its record.
-        shared = [rewards]
-        dist.broadcast_object_list(shared, src=0, group=active_group().control)
-        rewards = shared[0]
+    # Rewards run once (on rank 0: a user's reward may be costly or call out); every rank
+    # needs them in its record.
+    rewards = from_writer(rewards)
     record = RolloutRecord(
         prompt=prompt,
         response_ids=[list(r.token_ids) for r in responses],
@@ -406,7 +403,12 @@ def backward_group(
     ctx.gather_weights()
     state = held.prompt_state(ctx, example)
     prefill_seconds = time.perf_counter() - started
-    kwargs = dict(
+    inputs = group_inputs(
+        ctx.model,
+        record.response_ids,
+        torch.tensor(plan.advantages[group], dtype=torch.float32),
+        config.grpo,
+        prompt_grad=config.engine.prompt_grad,
         old_logprobs=_scores(old_scores),
         ref_logprobs=_scores(ref_scores),
         loss_masks=[torch.tensor(m) for m in plan.loss_masks[group]],
@@ -416,21 +418,10 @@ def backward_group(
         if record.importance_weights is None
         else [torch.tensor(w) for w in record.importance_weights],
     )
-    advantages = torch.tensor(plan.advantages[group], dtype=torch.float32)
-    if active_group() is None:
-        grads = GradBuffer(ctx.model)
-        stats = accumulate_group_gradients(
-            ctx.model,
-            state,
-            record.response_ids,
-            advantages,
-            config.grpo,
-            config.engine,
-            grad_buffer=grads,
-            **kwargs,
-        )
-    else:
-        grads, stats = _sharded_backward(ctx, state, record, advantages, kwargs)
+    # Each rank (one process: the only one) holds its part of the state and of the gradient.
+    grads, stats = group_gradient(
+        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange()
+    )
     stats = stats.model_copy(
         update={"seconds": stats.seconds.model_copy(update={"prefill": prefill_seconds})}
     )
@@ -459,63 +450,6 @@ def _store_grads(ctx, path, grads: dict[str, torch.Tensor], version: int, tokens
         parts, GradPart(uri=mine.uri, digest=mine.digest), group=active_group().control
     )
     return mine.model_copy(update={"parts": tuple(parts)})
-
-
-def _sharded_backward(ctx, state, record, advantages, kwargs) -> tuple[GradBuffer, GroupStats]:
-    """This rank's rows of the group's gradient (the rows of its shard of the policy)."""
-    from longstraw.distributed.sharded_group import sharded_group_slice_replay
-    from longstraw.engine.group import group_stats, peak_rss_bytes
-
-    config, engine = ctx.config, ctx.config.engine
-    # Under engine.state_budget_bytes each rank streams its own slice (and its slice of dS).
-    with tiered_for_group(
-        ctx.model,
-        state,
-        engine.state_budget_bytes,
-        engine.state_tier,
-        engine.state_dir,
-        exact=engine.prompt_grad == "exact",
-    ) as state:
-        slices, replay = sharded_group_slice_replay(
-            ctx.model,
-            state,
-            [torch.tensor(r) for r in record.response_ids],
-            advantages,
-            config.grpo,
-            prompt_grad=engine.prompt_grad,
-            branch_segment_tokens=engine.branch_segment_tokens,
-            share_response_prefixes=engine.share_response_prefixes,
-            **kwargs,
-        )
-        traffic = state_traffic(state)
-    grads = GradBuffer.from_tensors(slices.grads)
-    masks = kwargs["loss_masks"]
-    # The busiest rank's peak RSS, slice of dS and tiered-state figures: what a per-node memory
-    # limit must cover.
-    figures = [peak_rss_bytes(), replay.cotangent_bytes]
-    if traffic is not None:
-        figures += [traffic.peak_resident_bytes, traffic.bytes_read, traffic.bytes_written]
-    busiest = torch.tensor(figures, dtype=torch.int64)
-    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-    peak, cotangent_bytes, *tiered = busiest.tolist()
-    stats = group_stats(
-        engine.prompt_grad,
-        state,
-        replay.losses,
-        [lp.cpu().tolist() for lp in replay.logprobs],
-        [int(m.sum()) for m in masks],
-        replay.stats,
-        {"replay": replay.seconds["replay"], "sweep": replay.seconds.get("sweep", 0.0)},
-        cotangent_bytes=cotangent_bytes,
-        device=ctx.model.device,
-        peak_rss=int(peak),
-    )
-    if tiered:
-        busiest_traffic = StateTraffic(
-            peak_resident_bytes=tiered[0], bytes_read=tiered[1], bytes_written=tiered[2]
-        )
-        stats = stats.model_copy(update={"state_traffic": busiest_traffic})
-    return grads, stats
 
 
 @on_all_ranks
@@ -628,11 +562,7 @@ def write_checkpoint(
                 keep_latest=config.train.save_total_limit,
                 also_keep=best_rewarded_versions(config),
             )
-    group = active_group()
-    if group is not None:
-        shared = [ref]
-        dist.broadcast_object_list(shared, src=0, group=group.control)
-        ref = shared[0]
+    ref = from_writer(ref)
     ctx.checkpoint, ctx.checkpoint_is_run_start, ctx.updates = ref, False, []
     return ctx.policy_ref()
 

@@ -16,8 +16,8 @@ import longstraw.distributed.persisted_sharded_prefill
 import longstraw.distributed.sharded_group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
-from longstraw.distributed.persisted_sharded_prefill import sharded_state_layout
 from longstraw.distributed.sharded_state import scatter_state
+from longstraw.engine.state_layout import state_layout
 
 PROMPT_LEN, SHARD_TOKENS, NUM_SHARDS = 200, 33, 7
 # (family, ranks, dying rank, the shard after which it dies, expected per rank:
@@ -84,12 +84,11 @@ def test_rerun_resumes_from_recorded_shards_and_matches_uninterrupted_run(
 @pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
 def test_sharded_layout_is_the_single_process_layout(load_tiny, family):
     from longstraw.engine.prefill import prefill
-    from longstraw.training.persisted_prefill import state_layout
 
     model = load_tiny(family)
     state = prefill(model, list(range(3, 3 + PROMPT_LEN)), shard_tokens=SHARD_TOKENS)
     for rank in range(3):
-        assert sharded_state_layout(scatter_state(state, rank, 3)) == state_layout(state)
+        assert state_layout(scatter_state(state, rank, 3)) == state_layout(state)
 
 
 def test_each_rank_prefills_its_slice_straight_into_its_tier(tmp_path, checkpoint_dir):

@@ -35,4 +35,4 @@ def test_concurrent_duplicate_shard_task_runs_compute_the_shard_once(prefect_har
     # SERIALIZABLE isolation: the second waits for the first's lock, then reads its record.
     assert names == ["Cached", "Completed"]
     ctx = held.policy(config, policy)
-    assert held.session(ctx, ctx.source(0)).shards_computed == 1
+    assert held.prefill_session(ctx, ctx.source(0)).shards_computed == 1

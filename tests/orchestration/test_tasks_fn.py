@@ -183,7 +183,9 @@ def test_tasks_refuse_bad_parameters_before_any_compute(root):
     stale = prompt.model_copy(update={"policy_version": 1})
     with pytest.raises(ValueError, match="plan the step again"):
         prefill_shard.fn(config, policy, stale, 0)
-    session = held.session(held.policy(config, policy), held.policy(config, policy).source(0))
+    session = held.prefill_session(
+        held.policy(config, policy), held.policy(config, policy).source(0)
+    )
     assert session.shards_computed == 0
 
     with pytest.raises(ValueError, match="'reference' or 'old'"):

@@ -121,7 +121,7 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
     scored, calls = [], []
     real_score, real_accumulate = (
         step_module.score_logprobs,
-        step_module.accumulate_group_gradients,
+        step_module.group_gradient,
     )
 
     def spy_score(model, state, responses, **kwargs):
@@ -129,23 +129,23 @@ def test_second_iteration_uses_no_grad_old_logprobs_and_a_recomputed_state(
         scored.append((model, state, out))
         return out
 
-    def spy_accumulate(model, state, responses, advantages, cfg, engine=None, **kwargs):
+    def spy_accumulate(model, state, inputs, cfg, engine, **kwargs):
         fresh = prefill(model, state.prompt_ids, shard_tokens=config.engine.shard_tokens)
         same = all(torch.equal(fresh.tensors()[n], t) for n, t in state.tensors().items())
-        stats = real_accumulate(model, state, responses, advantages, cfg, engine, **kwargs)
+        grads, stats = real_accumulate(model, state, inputs, cfg, engine, **kwargs)
         calls.append(
             dict(
                 state=state,
                 version=ctx.policy_version,
                 matches_current_weights=same,
-                old=kwargs["old_logprobs"],
+                old=inputs.old_logprobs,
                 logprobs=[torch.tensor(x) for x in stats.branch_logprobs],
             )
         )
-        return stats
+        return grads, stats
 
     monkeypatch.setattr(step_module, "score_logprobs", spy_score)
-    monkeypatch.setattr(step_module, "accumulate_group_gradients", spy_accumulate)
+    monkeypatch.setattr(step_module, "group_gradient", spy_accumulate)
     after, metrics = run_step(config, policy)
 
     assert ctx.policy_version == after.policy_version == 2 and metrics.policy_version == 0

@@ -40,12 +40,17 @@ RELATIVE_TOLERANCE = 1e-5
 """Per tensor, ‖w₂ − w₁‖ / ‖w₁‖ of the final weights."""
 UPDATE_TOLERANCE = 1e-4
 """Per tensor, ‖Δw₂ − Δw₁‖ / ‖Δw₁‖ of what training moved (Δw = final − initial weights)."""
-ADAM_EPSILON = 1e-4
+ADAM_EPSILON = 1e-3
 """At Adam's first steps an update is lr · g / (|g| + ε): with TRL's ε = 1e-8 every entry moves
 by ±lr whatever its size, so an entry whose gradient is ~1e-9 flips sign under any reordering
 and moves 2·lr the other way (measured: 5e-4 relative on `in_proj_a` after one step). With
-ε = 1e-4, entries below it move in proportion to their gradient: the comparison measures the
-gradients' agreement, not a sign coin."""
+larger ε, entries below it move in proportion to their gradient: the comparison measures the
+gradients' agreement, not a sign coin. ε = 1e-4 still left the agent run's two steps (exact
+mode, tool output masked) at the fp32 noise floor: one process against two ranks, final
+`layers.0.input_layernorm` 0.84e-5 relative on one machine and 1.78e-5 on another (an AMD EPYC
+without AVX-512), deterministic on each, while the step's gradients of both paths agree with
+float64 autograd to 8.4e-7. At 1e-3 the weights and the scale-free update check below pass on
+the second machine as well."""
 
 
 def _config(root: Path, checkpoint: Path, run_id: str):
