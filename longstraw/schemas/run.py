@@ -29,8 +29,11 @@ class ModelConfig(_Section):
     """Which checkpoint to train, and in what precision."""
 
     checkpoint: str | None = None
-    """A Hugging Face checkpoint directory (safetensors). None: build a random-weight checkpoint
-    of `init_family`/`init_size` under the storage root on first use (the embedded demo)."""
+    """A Hugging Face checkpoint directory (safetensors), or a Hugging Face model id
+    (`Qwen/Qwen3-0.6B`) already in the local Hugging Face cache (`HF_HUB_CACHE`, else
+    `$HF_HOME/hub`): looked up offline, never downloaded (`hf download <id>` fills the cache).
+    A directory of that name wins. None: build a random-weight checkpoint of
+    `init_family`/`init_size` under the storage root on first use (the embedded demo)."""
     init_family: Family = "qwen3_5"
     """Family of the checkpoint built when `checkpoint` is None."""
     init_size: Literal["tiny", "small"] = "tiny"
@@ -40,7 +43,8 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and activations dtype. Gradients and the prompt cotangent are fp32 either way."""
     reference_checkpoint: str | None = None
-    """Reference model for the KL term (beta > 0). None: the run's initial checkpoint."""
+    """Reference model for the KL term (beta > 0): a directory or a cached model id, as
+    `checkpoint`. None: the run's initial checkpoint."""
     device: Literal["auto", "cpu"] = "auto"
     """auto: each process computes on its local rank's GPU when CUDA is available, else the CPU;
     cpu: always the CPU."""

@@ -16,6 +16,7 @@ from longstraw.engine.group import GradBuffer
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.models.factory import init_model
+from longstraw.models.hub import resolve_checkpoint
 from longstraw.schemas.refs import CheckpointRef, GradRef, PolicyRef
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import (
@@ -104,9 +105,11 @@ class RunContext:
 
 
 def initial_checkpoint(config: RunConfig) -> Path:
-    """The checkpoint a fresh run starts from; builds the configured tiny/small model once."""
+    """The checkpoint directory a fresh run starts from: `model.checkpoint` (a directory, or a
+    Hugging Face model id's snapshot in the local cache); builds the configured tiny/small model
+    once when it is None."""
     if config.model.checkpoint is not None:
-        return Path(config.model.checkpoint)
+        return resolve_checkpoint(config.model.checkpoint)
     m = config.model
     path = (
         local_root(config.storage) / "models" / f"{m.init_family}-{m.init_size}-seed{m.init_seed}"
@@ -114,6 +117,16 @@ def initial_checkpoint(config: RunConfig) -> Path:
     if not (path / "longstraw.json").exists():
         init_model(m.init_family, m.init_size, path, seed=m.init_seed)
     return path
+
+
+def reference_checkpoint(config: RunConfig) -> Path:
+    """The reference model's directory: `model.reference_checkpoint` (a directory or a cached
+    model id), else the run's initial checkpoint."""
+    if config.model.reference_checkpoint is not None:
+        return resolve_checkpoint(
+            config.model.reference_checkpoint, field="model.reference_checkpoint"
+        )
+    return initial_checkpoint(config)
 
 
 def model_records(config: RunConfig) -> Path:
@@ -233,7 +246,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
             f"{policy.weights_digest[:12]}: the ref does not belong to this checkpoint"
         )
     if config.grpo.beta > 0:
-        ref_path = Path(config.model.reference_checkpoint or initial_checkpoint(config))
+        ref_path = reference_checkpoint(config)
         reference, _, ref_meta = load_checkpoint(
             ref_path, dtype=dtype, record_dir=model_records(config)
         )

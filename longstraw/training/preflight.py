@@ -1,14 +1,16 @@
 """Checks that fail a run in one line before anything expensive starts (Prefect, a prefill).
 
 `preflight(config, resume)` raises `UserError` ("<what> — <fix>") for the first problem found:
-the model checkpoint, `--resume` without a committed checkpoint, a storage root that cannot be
-written, a missing JSONL dataset, reward specs that do not import or do not take
-`(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an agent
-environment that does not load, a tracker of `tracking.report_to` whose package is missing, more ranks than prefill shards, `parallel.backend: nccl` without
-a GPU per rank, every prompt of a JSONL dataset (each line parses, token ids inside the model's
-vocabulary, prompt + response within its positions), and the free space of a local root against
-what one step writes. No weights are loaded; a JSONL dataset is read (and its text prompts
-tokenized) once per process.
+the model checkpoint (a directory, or a Hugging Face model id in the local cache) and the
+reference one, `--resume` without a committed checkpoint, a storage root that cannot be written,
+a missing JSONL dataset, reward specs that do not import or do not take
+`(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an
+agent environment that does not load, a tracker of `tracking.report_to` whose package is
+missing, more ranks than prefill shards, `parallel.backend: nccl` without a GPU per rank, every
+prompt of a JSONL dataset (each line parses, token ids inside the model's vocabulary, prompt +
+response within its positions), and the free space of a local root against what one step
+writes. No weights are loaded; a JSONL dataset is read (and its text prompts tokenized) once
+per process.
 """
 
 from __future__ import annotations
@@ -49,31 +51,48 @@ def preflight(config: RunConfig, resume: bool) -> None:
 
 def check_model(config: RunConfig) -> None:
     from longstraw.models.adapters import SUPPORTED_MODEL_TYPES
+    from longstraw.models.hub import resolve_checkpoint
 
+    if config.model.reference_checkpoint is not None:
+        # A reference model id that is not in the cache is named before any work.
+        resolve_checkpoint(config.model.reference_checkpoint, field="model.reference_checkpoint")
     if config.model.checkpoint is None:
         return  # built on first use (the demo)
-    path = Path(config.model.checkpoint).expanduser()
+    spec = config.model.checkpoint
+    path = checkpoint_dir(config)  # a model id that is not in the cache is refused here
+    # A model id is named with its snapshot, so that a broken download is found in the cache.
+    what = (
+        f"model.checkpoint {path}"
+        if path == Path(spec).expanduser()
+        else f"model.checkpoint {spec} (snapshot {path})"
+    )
     fix = (
         "point model.checkpoint at a Hugging Face checkpoint directory (config.json + safetensors)"
     )
     if not path.exists():
-        raise UserError(f"model.checkpoint {path} does not exist — {fix}")
+        raise UserError(f"{what} does not exist — {fix}")
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(f"model.checkpoint {path} is not a directory with a config.json — {fix}")
+        raise UserError(f"{what} is not a directory with a config.json — {fix}")
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
-        raise UserError(
-            f"model.checkpoint {path}: config.json is unreadable ({err}) — {fix}"
-        ) from err
+        raise UserError(f"{what}: config.json is unreadable ({err}) — {fix}") from err
     types = {raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")}
     if not types & set(SUPPORTED_MODEL_TYPES):
         raise UserError(
-            f"model.checkpoint {path} is a {raw.get('model_type')!r} model, which LongStraw does not "
+            f"{what} is a {raw.get('model_type')!r} model, which LongStraw does not "
             f"support — use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if not any(path.glob("*.safetensors")):
-        raise UserError(f"model.checkpoint {path} has no *.safetensors weights — {fix}")
+        raise UserError(f"{what} has no *.safetensors weights — {fix}")
+
+
+def checkpoint_dir(config: RunConfig) -> Path:
+    """The directory `model.checkpoint` names (set): itself, or a model id's cached snapshot."""
+    from longstraw.models.hub import resolve_checkpoint
+
+    assert config.model.checkpoint is not None
+    return resolve_checkpoint(config.model.checkpoint)
 
 
 def check_resume(config: RunConfig, resume: bool) -> None:
@@ -248,7 +267,7 @@ def _model_facts(config: RunConfig) -> _ModelFacts:
 
     m = config.model
     hf = (
-        AutoConfig.from_pretrained(str(Path(m.checkpoint).expanduser()))
+        AutoConfig.from_pretrained(str(checkpoint_dir(config)))
         if m.checkpoint is not None
         else build_config(m.init_family, m.init_size)
     )
@@ -425,7 +444,7 @@ def _checkpoint_numel(config: RunConfig, facts: _ModelFacts) -> tuple[int, int]:
     """(parameters, bytes of the files beside the weights) of the run's starting checkpoint:
     from the safetensors headers of a configured one, from the config of one to be built."""
     if config.model.checkpoint is not None:
-        path = Path(config.model.checkpoint).expanduser()
+        path = checkpoint_dir(config)
         total = 0
         for file in sorted(path.glob("*.safetensors")):
             with open(file, "rb") as handle:
