@@ -322,7 +322,6 @@ def _check_length(facts: _ModelFacts, tokens: int, response: int, what: str, con
 
 def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> list[int]:
     from longstraw.data.jsonl import DataFormatError, read_prompt_lines
-    from longstraw.training.prompts import record_prompt_ids
 
     tokenizer = None
     framing = 0  # tokens the chat template adds around an agent run's prompt
@@ -339,7 +338,7 @@ def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> l
                 )
             if record.prompt_ids is None and tokenizer is None:
                 tokenizer, framing = _tokenizer_and_framing(config)
-            ids = record_prompt_ids(record, tokenizer)
+            ids = _rendered_ids(record, tokenizer, f"data.path {path}:{line}")
             if not ids:
                 raise UserError(
                     f"{where} is empty after tokenization — give it some text, or remove the line"
@@ -355,10 +354,10 @@ def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> l
             assert low >= 0, low  # PromptRecord's TokenId is >= 0
             if config.agent is not None and tokenizer is None:
                 tokenizer, framing = _tokenizer_and_framing(config)
-            _check_length(
-                facts, len(ids) + framing, config.grpo.max_completion_length, where, config
-            )
-            lengths.append(len(ids) + framing)
+            # Chat messages are framed by the template already; an agent run adds nothing.
+            tokens = len(ids) + (0 if record.messages is not None else framing)
+            _check_length(facts, tokens, config.grpo.max_completion_length, where, config)
+            lengths.append(tokens)
     except DataFormatError as err:
         raise UserError(
             f"data.path {err} — fix that line (the format: docs/data.md, one JSON object per line)"
@@ -369,6 +368,27 @@ def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> l
             '({"id": ..., "prompt": ...}, docs/data.md), or point data.path at another file'
         )
     return lengths
+
+
+def _rendered_ids(record, tokenizer, where: str) -> list[int]:
+    """[P] the record's prompt ids (`training.prompts.record_prompt_ids`); a chat template that
+    cannot render its `messages` is named at the record's line."""
+    from jinja2 import TemplateError
+
+    from longstraw.training.prompts import record_prompt_ids
+
+    try:
+        return record_prompt_ids(record, tokenizer)
+    except (UserError, TemplateError) as err:
+        if record.messages is None:
+            raise
+        # LongStraw's own message ends in its fix ("...; use ..."): the fix below replaces it.
+        detail = " ".join(str(err).split(";")[0].split()) or type(err).__name__
+        raise UserError(
+            f"{where}: field 'messages': the chat template cannot render them ({detail}) — "
+            "use a checkpoint whose tokenizer has a chat template that takes these roles, or "
+            "give the prompt as 'prompt' (text) or 'prompt_ids'"
+        ) from err
 
 
 def _tokenizer_and_framing(config: RunConfig) -> tuple[object, int]:
