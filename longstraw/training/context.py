@@ -29,7 +29,7 @@ from longstraw.storage.checkpoints import (
     run_started,
     valid_checkpoint,
 )
-from longstraw.training.prompts import run_prompt_source
+from longstraw.training.prompts import eval_prompt_source, run_prompt_source
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,6 +52,8 @@ class RunContext:
     """Rollout steps completed."""
     policy_version: int = 0
     """Optimizer updates applied so far."""
+    eval_source: object | None = None
+    """The held-out prompts of `eval.data` (`training.evaluation`), None without them."""
     weights: object | None = None
     """`distributed.sharded_policy.ShardedWeights` when the policy is sharded at rest over the
     run's ranks (`parallel.world_size > 1`), else None (one process holds it whole)."""
@@ -228,6 +230,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         tokenizer=tokenizer,
         optimizer=optimizer,
         source=run_prompt_source(config, tokenizer),
+        eval_source=eval_prompt_source(config, tokenizer),
         checkpoint=policy.checkpoint,
         checkpoint_is_run_start=policy.checkpoint_is_run_start,
         step=policy.step,

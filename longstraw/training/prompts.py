@@ -49,6 +49,10 @@ class HaystackPrompts:
         self.config = config
         self.tokenizer = tokenizer
 
+    def __len__(self) -> int:
+        """Distinct prompts (indices past them cycle)."""
+        return self.config.num_prompts
+
     def __call__(self, index: int) -> PromptExample:
         slot = index % self.config.num_prompts
         task = self.config.task.model_copy(update={"seed": self.config.task.seed + slot})
@@ -79,6 +83,10 @@ class JsonlPrompts:
             self.imported = ImportedResponses(
                 config.responses_path, tokenizer, prompt_ids={r.id for r in self.records}
             )
+
+    def __len__(self) -> int:
+        """Records of the file (indices past them cycle)."""
+        return len(self.records)
 
     def __call__(self, index: int) -> PromptExample:
         record = self.records[index % len(self.records)]
@@ -150,3 +158,8 @@ def run_prompt_source(config: RunConfig, tokenizer):
 
     system = system_prompt(config.agent.environment) if config.agent.system_prompt else None
     return ChatPrompts(source, tokenizer, system=system)
+
+
+def eval_prompt_source(config: RunConfig, tokenizer):
+    """The held-out prompts of `eval.data` (None without an eval section)."""
+    return None if config.eval is None else prompt_source(config.eval.data, tokenizer)
