@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Container, Iterable, Iterator
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,6 +33,23 @@ class DataFormatError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class Message(BaseModel):
+    """One chat message (of a prompt, or of a trajectory: `longstraw.data.trajectory`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    """system / user (the prompt), assistant (trained), tool (environment output, not trained)."""
+    content: str
+    """The message text."""
+
+
+_PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
+
+
 class PromptRecord(BaseModel):
     """One prompt of a user's dataset: one JSON object per line."""
 
@@ -41,10 +58,15 @@ class PromptRecord(BaseModel):
     id: str = Field(min_length=1)
     """Unique within the file; responses refer to it as `prompt_id`."""
     prompt: str | None = Field(default=None, min_length=1)
-    """The prompt as text, tokenized by the run's tokenizer. Exactly one of `prompt`/`prompt_ids`."""
+    """The prompt as text, tokenized by the run's tokenizer. Exactly one of
+    `prompt`/`prompt_ids`/`messages`."""
     prompt_ids: list[TokenId] | None = Field(default=None, min_length=1)
     """The prompt as token ids of the run's tokenizer, used as they are (no special tokens
-    added). Exactly one of `prompt`/`prompt_ids`."""
+    added). Exactly one of `prompt`/`prompt_ids`/`messages`."""
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    """The prompt as chat messages, rendered by the tokenizer's chat template with the
+    assistant header the response follows (`add_generation_prompt`). Exactly one of
+    `prompt`/`prompt_ids`/`messages`."""
     answer: str | None = None
     """The reference answer, for rewards that compare against one."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -54,9 +76,19 @@ class PromptRecord(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> PromptRecord:
-        if (self.prompt is None) == (self.prompt_ids is None):
-            which = "both" if self.prompt is not None else "neither"
-            raise ValueError(f"give exactly one of 'prompt' (text) or 'prompt_ids'; got {which}")
+        given = [f"'{f}'" for f in _PROMPT_FIELDS if getattr(self, f) is not None]
+        if len(given) != 1:
+            # With two given, the first is the field the error is reported at (`_field_of`).
+            got = f"{' and '.join(given)} are given together: " if given else ""
+            raise ValueError(
+                f"{got}give exactly one of 'prompt' (text), 'prompt_ids' (token ids) or "
+                f"'messages' (chat messages){'' if given else '; got neither'}"
+            )
+        if self.messages is not None and self.messages[-1].role == "assistant":
+            raise ValueError(
+                "'messages' ends with an assistant message; a prompt ends before the reply "
+                "the policy samples: drop that message, or end with a user message"
+            )
         return self
 
 

@@ -18,25 +18,12 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from longstraw.data.jsonl import _MAX_LOGPROB, DataFormatError, _read_jsonl
+# Message lives with the prompt records (a prompt may be chat messages too); trajectories reuse it.
+from longstraw.data.jsonl import _MAX_LOGPROB, DataFormatError, Message, _read_jsonl
 from longstraw.errors import UserError
-
-Role = Literal["system", "user", "assistant", "tool"]
-
-
-class Message(BaseModel):
-    """One chat message."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    role: Role
-    """system / user (the prompt), assistant (trained), tool (environment output, not trained)."""
-    content: str
-    """The message text."""
 
 
 class TrajectoryRecord(BaseModel):
@@ -91,23 +78,37 @@ class TokenizedTrajectory:
     """[R] 1 on the assistant's own tokens (trained), 0 elsewhere."""
 
 
+def _turns(messages: Sequence[Message | dict]) -> list[dict]:
+    return [m.model_dump() if isinstance(m, Message) else dict(m) for m in messages]
+
+
+def prompt_messages_ids(tokenizer, messages: Sequence[Message | dict]) -> list[int]:
+    """[P] the prompt messages as the model sees them: rendered by the tokenizer's chat
+    template, followed by the header of the assistant turn that the response fills
+    (`add_generation_prompt`). A prompt dataset's `messages` and a trajectory's prompt part."""
+    _require_template(tokenizer)
+    rendered = tokenizer.apply_chat_template(
+        _turns(messages), tokenize=True, return_dict=True, add_generation_prompt=True
+    )
+    return list(rendered["input_ids"])
+
+
+def prompt_messages_text(tokenizer, messages: Sequence[Message | dict]) -> str:
+    """The text `prompt_messages_ids` encodes (what rewards and environments get as the prompt)."""
+    return _render(tokenizer, _turns(messages), add_generation_prompt=True)
+
+
 def tokenize_trajectory(tokenizer, messages: Sequence[Message | dict]) -> TokenizedTrajectory:
     """Split a conversation into prompt, branch and loss mask with the tokenizer's chat template."""
-    turns = [m.model_dump() if isinstance(m, Message) else dict(m) for m in messages]
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(
-            "the tokenizer has no chat template; use a checkpoint whose tokenizer has one "
-            "(with {% generation %} around assistant text), or set tokenizer.chat_template"
-        )
+    turns = _turns(messages)
+    _require_template(tokenizer)
     first = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), None)
     if first is None or first == 0:
         raise UserError("a trajectory needs prompt messages followed by an assistant turn")
     full = tokenizer.apply_chat_template(
         turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
-    prompt = tokenizer.apply_chat_template(
-        turns[:first], tokenize=True, return_dict=True, add_generation_prompt=True
-    )["input_ids"]
+    prompt = prompt_messages_ids(tokenizer, turns[:first])
     ids, mask = list(full["input_ids"]), list(full["assistant_masks"])
     if ids[: len(prompt)] != list(prompt):
         raise UserError(
@@ -148,12 +149,16 @@ def read_trajectory_file(
 _SENTINEL = "\x00LONGSTRAW-{}\x00"
 
 
-def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+def _require_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             "the tokenizer has no chat template; use a checkpoint whose tokenizer has one "
             "(with {% generation %} around assistant text), or set tokenizer.chat_template"
         )
+
+
+def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    _require_template(tokenizer)
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )

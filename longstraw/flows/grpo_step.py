@@ -11,6 +11,7 @@ from prefect.artifacts import (
 
 from longstraw.orchestration.names import (
     artifact_key,
+    metrics_row,
     rounded_rows,
     step_flow_run_name,
     step_tags,
@@ -45,9 +46,7 @@ def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetr
 
     with tags(*step_tags(config.run_id, policy.step, policy.policy_version)):
         policy, metrics = run_step(config, policy, prefect_stages(on_prefill_shard))
-    row = metrics.model_dump(mode="json", exclude={"seconds"}) | {
-        f"seconds_{k}": v for k, v in metrics.seconds.items()
-    }
+    row = metrics_row(metrics) | {f"seconds_{k}": v for k, v in metrics.seconds.items()}
     create_table_artifact(
         rounded_rows([row]),
         key=f"{artifact_key(config.run_id)}-step",
@@ -62,4 +61,13 @@ def grpo_step(config: RunConfig, policy: PolicyRef) -> tuple[PolicyRef, StepMetr
         metrics.grad_norm,
         policy.policy_version,
     )
+    if metrics.eval is not None:
+        logger.info(
+            "step %d: eval reward %.3f ± %.3f over %d held-out prompts (version %d)",
+            metrics.step,
+            metrics.eval.reward_mean,
+            metrics.eval.reward_std,
+            metrics.eval.num_prompts,
+            metrics.eval.policy_version,
+        )
     return policy, metrics

@@ -18,7 +18,7 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
-from longstraw.orchestration.names import artifact_key, rounded_rows
+from longstraw.orchestration.names import artifact_key, metrics_row, rounded_rows
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import run_dir
@@ -66,7 +66,7 @@ def publish_run_curves(config: RunConfig) -> list[StepMetrics]:
     key = artifact_key(config.run_id)
     steps = f"steps 0-{history[-1].step}" if len(history) > 1 else "step 0"
     create_table_artifact(
-        rounded_rows([m.model_dump(mode="json", exclude={"seconds"}) for m in history]),
+        rounded_rows([metrics_row(m) for m in history]),
         key=f"{key}-metrics",
         description=f"run {config.run_id}: per-step GRPO metrics, {steps} (4 significant digits)",
     )

@@ -65,6 +65,7 @@ TASK_RUN_NAMES: dict[str, Callable[..., str]] = {
     ),
     "write_checkpoint": _named(lambda p: f"checkpoint v{p['policy'].policy_version}"),
     "record_step": _named(lambda p: f"record step {p['metrics'].step}"),
+    "evaluate": _named(lambda p: f"evaluate v{p['policy'].policy_version}"),
 }
 """Task name → its task_run_name callable."""
 
@@ -81,6 +82,7 @@ STAGE_TAGS: dict[str, str] = {
     "apply_update": "update",
     "write_checkpoint": "checkpoint",
     "record_step": "record",
+    "evaluate": "eval",
 }
 """Task name → the stage it belongs to (tagged `stage:<stage>`)."""
 
@@ -97,6 +99,7 @@ GPU_TASKS = frozenset(
         "backward_group",
         "reduce_gradients",
         "apply_update",
+        "evaluate",
     }
 )
 
@@ -137,6 +140,18 @@ def rounded_rows(rows: Iterable[dict[str, Any]], digits: int = 4) -> list[dict[s
         {k: round_significant(v, digits) if isinstance(v, float) else v for k, v in row.items()}
         for row in rows
     ]
+
+
+def metrics_row(metrics) -> dict[str, Any]:
+    """A step's `StepMetrics` as one flat table row (without its seconds): its evaluation, when
+    the step had one, as `eval_<field>` columns (every completion's reward left out)."""
+    row = metrics.model_dump(mode="json", exclude={"seconds", "eval"})
+    if metrics.eval is not None:
+        row |= {
+            f"eval_{k}": v
+            for k, v in metrics.eval.model_dump(mode="json", exclude={"rewards"}).items()
+        }
+    return row
 
 
 def artifact_key(run_id: str) -> str:

@@ -20,7 +20,7 @@ from longstraw.orchestration.policies import (
     retry_on_transient,
     serializable_cache_policy,
 )
-from longstraw.training import stages
+from longstraw.training import evaluation, stages
 from longstraw.training.step import Stages
 
 _RETRY = {"retries": 1, "retry_delay_seconds": 1, "retry_condition_fn": retry_on_transient}
@@ -92,6 +92,7 @@ reduce_gradients = _task("reduce_gradients", **_RETRY)(stages.reduce_gradients)
 apply_update = _task("apply_update")(stages.apply_update)
 write_checkpoint = _task("write_checkpoint", **_RETRY)(stages.write_checkpoint)
 record_step = _task("record_step")(stages.record_step)
+evaluate = _task("evaluate", **_RETRY)(evaluation.evaluate)
 
 
 def prefect_stages(on_prefill_shard=None) -> Stages:
@@ -109,4 +110,5 @@ def prefect_stages(on_prefill_shard=None) -> Stages:
         write_checkpoint=write_checkpoint,
         record_step=record_step,
         on_prefill_shard=on_prefill_shard,
+        evaluate=evaluate,
     )

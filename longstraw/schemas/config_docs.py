@@ -75,8 +75,10 @@ def _model_sections(
         out += _section_default(field, model)
     out += _section(None, model, prefix=f"{path}.", top_level=False)
     for name, sub in model.model_fields.items():
-        for nested in _models_in(sub.annotation):
-            out += _model_sections(f"{path}.{name}", nested, sub, False)
+        nested = _models_in(sub.annotation)
+        for inner in nested:
+            # A union (`eval.data`) gets one section per variant, as the top level's `data`.
+            out += _model_sections(f"{path}.{name}", inner, sub, len(nested) > 1)
     return out
 
 

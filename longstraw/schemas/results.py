@@ -70,6 +70,28 @@ class GroupStats(BaseModel):
     state resident)."""
 
 
+class EvalMetrics(BaseModel):
+    """The held-out prompts answered by the policy a step made (`eval`, `train.eval_steps`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy_version: int = Field(ge=0)
+    """Version of the weights evaluated (the step's update made it)."""
+    num_prompts: int = Field(ge=1)
+    num_completions: int = Field(ge=1)
+    reward_mean: float
+    reward_std: float
+    """Standard deviation of all the completions' rewards (Bessel-corrected; 0 for one)."""
+    reward_min: float
+    reward_max: float
+    completion_length_mean: float
+    """Tokens per completion."""
+    truncated_fraction: float
+    """Completions that hit `grpo.max_completion_length`."""
+    rewards: list[list[float]]
+    """[prompts][num_generations] every completion's reward, in prompt order."""
+
+
 class StepMetrics(BaseModel):
     """One optimizer step of a training run: what the audit table, JSONL and plots show."""
 
@@ -129,6 +151,8 @@ class StepMetrics(BaseModel):
     """Prompt-state bytes read from the lower tier over those stages (all groups)."""
     state_bytes_written: int = 0
     """Cotangent bytes written back to the lower tier (all groups)."""
+    eval: EvalMetrics | None = None
+    """The evaluation after this step's update (`train.eval_steps`); None on other steps."""
 
 
 class AdvantagePlan(BaseModel):

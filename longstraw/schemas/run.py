@@ -29,8 +29,11 @@ class ModelConfig(_Section):
     """Which checkpoint to train, and in what precision."""
 
     checkpoint: str | None = None
-    """A Hugging Face checkpoint directory (safetensors). None: build a random-weight checkpoint
-    of `init_family`/`init_size` under the storage root on first use (the embedded demo)."""
+    """A Hugging Face checkpoint directory (safetensors), or a Hugging Face model id
+    (`Qwen/Qwen3-0.6B`) already in the local Hugging Face cache (`HF_HUB_CACHE`, else
+    `$HF_HOME/hub`): looked up offline, never downloaded (`hf download <id>` fills the cache).
+    A directory of that name wins. None: build a random-weight checkpoint of
+    `init_family`/`init_size` under the storage root on first use (the embedded demo)."""
     init_family: Family = "qwen3_5"
     """Family of the checkpoint built when `checkpoint` is None."""
     init_size: Literal["tiny", "small"] = "tiny"
@@ -40,7 +43,8 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights and activations dtype. Gradients and the prompt cotangent are fp32 either way."""
     reference_checkpoint: str | None = None
-    """Reference model for the KL term (beta > 0). None: the run's initial checkpoint."""
+    """Reference model for the KL term (beta > 0): a directory or a cached model id, as
+    `checkpoint`. None: the run's initial checkpoint."""
     device: Literal["auto", "cpu"] = "auto"
     """auto: each process computes on its local rank's GPU when CUDA is available, else the CPU;
     cpu: always the CPU."""
@@ -118,6 +122,38 @@ class JsonlDataConfig(_Section):
 DataConfig = Annotated[HaystackDataConfig | JsonlDataConfig, Field(discriminator="type")]
 
 
+class EvalConfig(_Section):
+    """Held-out prompts the policy answers every `train.eval_steps` steps, without gradients:
+    their rewards are logged beside the step's own (`eval/reward`, `eval/reward_std`, ...)."""
+
+    data: DataConfig
+    """The held-out prompts, a source like `data`: `type: jsonl` (every record of the file is
+    evaluated) or `type: haystack` (its `num_prompts` prompts; give `task.seed` another value
+    than the training task's so that they are not the training prompts)."""
+    do_sample: bool = False
+    """False: greedy decoding (the most likely token at each position, transformers'
+    `do_sample=False`); True: sample at `temperature` with `grpo.top_p`/`top_k`/`min_p`."""
+    num_generations: int = Field(default=1, ge=1)
+    """Responses per held-out prompt (more than 1 only with `do_sample`: greedy gives one)."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature when `do_sample`."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_response(self) -> EvalConfig:
+        if not self.do_sample and self.num_generations > 1:
+            raise ValueError(
+                f"eval.num_generations is {self.num_generations} with greedy decoding, which "
+                "gives the same response every time — set eval.num_generations: 1, or "
+                "eval.do_sample: true to sample several"
+            )
+        if getattr(self.data, "responses_path", None) is not None:
+            raise ValueError(
+                "eval.data.responses_path is set: evaluation samples the policy's own "
+                "responses — remove eval.data.responses_path"
+            )
+        return self
+
+
 class AgentConfig(_Section):
     """Multi-turn rollout with an environment: assistant turns are sampled, the environment's
     answers are appended between them (not trained), until it says done."""
@@ -162,6 +198,9 @@ class TrainConfig(_Section):
     seed: int = Field(default=42, ge=0)
     """Seed of sampling and data order: each group samples from a generator seeded by (seed,
     step, prompt), so a resumed run or another process draws the same responses."""
+    eval_steps: int | None = Field(default=None, ge=1)
+    """Evaluate the policy on the `eval` prompts after every this many steps (transformers'
+    name: after steps N, 2N, ..., counting from 1). None: no evaluation."""
 
 
 class ParallelConfig(_Section):
@@ -211,6 +250,8 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """Experiment trackers (TensorBoard, MLflow, W&B, Trackio) that receive every step's metrics
     (none by default)."""
+    eval: EvalConfig | None = None
+    """Held-out prompts evaluated every `train.eval_steps` steps (None: no evaluation)."""
     agent: AgentConfig | None = None
     """Multi-turn rollout with an environment (None: one sampled response per branch, scored by
     `data.rewards`). Prompts are then framed by the tokenizer's chat template, and the
@@ -224,6 +265,25 @@ class RunConfig(_Section):
             raise ValueError(
                 "agent and data.responses_path are both set: either sample trajectories with "
                 "the environment or train on imported responses, not both"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_has_steps_and_prompts(self) -> RunConfig:
+        if self.train.eval_steps is not None and self.eval is None:
+            raise ValueError(
+                "train.eval_steps is set but there is no eval section — add eval: {data: ...} "
+                "with the held-out prompts, or remove train.eval_steps"
+            )
+        if self.eval is not None and self.train.eval_steps is None:
+            raise ValueError(
+                "the eval section is set but train.eval_steps is not — set train.eval_steps "
+                "(evaluate every that many steps), or remove the eval section"
+            )
+        if self.eval is not None and self.agent is not None:
+            raise ValueError(
+                "eval is not supported in agent runs yet (held-out prompts are answered in one "
+                "turn, without the environment) — remove the eval section or the agent section"
             )
         return self
 

@@ -44,9 +44,22 @@ LONGSTRAW_NAMES: dict[str, str] = {
 }
 """LongStraw's own numbers -> their StepMetrics fields."""
 
+EVAL_NAMES: dict[str, str] = {
+    "eval/reward": "reward_mean",
+    "eval/reward_std": "reward_std",
+    "eval/reward_min": "reward_min",
+    "eval/reward_max": "reward_max",
+    "eval/completions/mean_length": "completion_length_mean",
+    "eval/completions/clipped_ratio": "truncated_fraction",
+    "eval/num_prompts": "num_prompts",
+    "eval/policy_version": "policy_version",
+}
+"""The evaluation of a step (`StepMetrics.eval`, every `train.eval_steps`) -> its EvalMetrics
+fields; logged at the step whose update made the weights evaluated."""
+
 SECONDS_PREFIX = "longstraw/seconds/"
 """`longstraw/seconds/<stage>`: wall-clock seconds of each stage the step ran (prefill, rollout,
-reward, reference, score_old, replay, sweep, update, checkpoint), and `total`."""
+reward, reference, score_old, replay, sweep, update, eval, checkpoint), and `total`."""
 
 AGENT_ONLY = frozenset({"longstraw/turns_mean", "longstraw/environment_errors"})
 
@@ -62,6 +75,9 @@ def tracker_metrics(metrics: StepMetrics, agent: bool) -> dict[str, float]:
         value = getattr(metrics, field)
         if value is not None:
             out[name] = float(value)
+    if metrics.eval is not None:
+        for name, field in EVAL_NAMES.items():
+            out[name] = float(getattr(metrics.eval, field))
     for stage, seconds in metrics.seconds.items():
         out[SECONDS_PREFIX + stage] = float(seconds)
     out[SECONDS_PREFIX + "total"] = float(sum(metrics.seconds.values()))

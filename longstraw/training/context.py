@@ -16,6 +16,7 @@ from longstraw.engine.group import GradBuffer
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.models.factory import init_model
+from longstraw.models.hub import resolve_checkpoint
 from longstraw.schemas.refs import CheckpointRef, GradRef, PolicyRef
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import (
@@ -28,7 +29,7 @@ from longstraw.storage.checkpoints import (
     run_started,
     valid_checkpoint,
 )
-from longstraw.training.prompts import run_prompt_source
+from longstraw.training.prompts import eval_prompt_source, run_prompt_source
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,6 +52,8 @@ class RunContext:
     """Rollout steps completed."""
     policy_version: int = 0
     """Optimizer updates applied so far."""
+    eval_source: object | None = None
+    """The held-out prompts of `eval.data` (`training.evaluation`), None without them."""
     weights: object | None = None
     """`distributed.sharded_policy.ShardedWeights` when the policy is sharded at rest over the
     run's ranks (`parallel.world_size > 1`), else None (one process holds it whole)."""
@@ -104,9 +107,11 @@ class RunContext:
 
 
 def initial_checkpoint(config: RunConfig) -> Path:
-    """The checkpoint a fresh run starts from; builds the configured tiny/small model once."""
+    """The checkpoint directory a fresh run starts from: `model.checkpoint` (a directory, or a
+    Hugging Face model id's snapshot in the local cache); builds the configured tiny/small model
+    once when it is None."""
     if config.model.checkpoint is not None:
-        return Path(config.model.checkpoint)
+        return resolve_checkpoint(config.model.checkpoint)
     m = config.model
     path = (
         local_root(config.storage) / "models" / f"{m.init_family}-{m.init_size}-seed{m.init_seed}"
@@ -114,6 +119,16 @@ def initial_checkpoint(config: RunConfig) -> Path:
     if not (path / "longstraw.json").exists():
         init_model(m.init_family, m.init_size, path, seed=m.init_seed)
     return path
+
+
+def reference_checkpoint(config: RunConfig) -> Path:
+    """The reference model's directory: `model.reference_checkpoint` (a directory or a cached
+    model id), else the run's initial checkpoint."""
+    if config.model.reference_checkpoint is not None:
+        return resolve_checkpoint(
+            config.model.reference_checkpoint, field="model.reference_checkpoint"
+        )
+    return initial_checkpoint(config)
 
 
 def model_records(config: RunConfig) -> Path:
@@ -215,6 +230,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         tokenizer=tokenizer,
         optimizer=optimizer,
         source=run_prompt_source(config, tokenizer),
+        eval_source=eval_prompt_source(config, tokenizer),
         checkpoint=policy.checkpoint,
         checkpoint_is_run_start=policy.checkpoint_is_run_start,
         step=policy.step,
@@ -233,7 +249,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
             f"{policy.weights_digest[:12]}: the ref does not belong to this checkpoint"
         )
     if config.grpo.beta > 0:
-        ref_path = Path(config.model.reference_checkpoint or initial_checkpoint(config))
+        ref_path = reference_checkpoint(config)
         reference, _, ref_meta = load_checkpoint(
             ref_path, dtype=dtype, record_dir=model_records(config)
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import threading
 from collections.abc import Iterator
 
@@ -182,11 +183,40 @@ def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixS
         session.discard()
 
 
+@contextlib.contextmanager
+def eval_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixState]:
+    """The policy's state of a held-out prompt (`training.evaluation`) for the block: prefilled
+    for it and discarded after, never persisted (an evaluation reads it once, and the next one
+    is at other weights). It is held whole during its prefill; `engine.state_budget_bytes`
+    tiers it for the decoding, as the scoring stage does a resident reference state."""
+    session = new_session(
+        ctx.config,
+        ctx.model,
+        example.prompt_ids,
+        shard_tokens=ctx.config.engine.shard_tokens,
+        storage=ctx.config.storage.model_copy(update={"persist_mode": "off"}),
+        key=state_key(ctx, example),
+    )
+    try:
+        state, _ = session.finish()
+        yield state
+    finally:
+        session.discard()
+
+
 def sampling_generator(config: RunConfig, step: int, prompt_index: int) -> torch.Generator:
     """The RNG of one group's rollout: a function of (seed, step, prompt), so any process —
     every rank of a sequence group alike — draws the same responses for the same step."""
     seed = (config.train.seed * 1_000_003 + step * 10_007 + prompt_index) % (2**63)
     return torch.Generator().manual_seed(seed)
+
+
+def eval_generator(config: RunConfig, step: int, prompt_index: int) -> torch.Generator:
+    """The RNG of one held-out prompt's evaluation after `step`: a function of (seed, step,
+    prompt) like `sampling_generator`, but drawn apart from it, so an evaluation never repeats
+    a training group's draws."""
+    digest = hashlib.sha256(f"eval:{config.train.seed}:{step}:{prompt_index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % (2**63))
 
 
 def held_policy(run_id: str) -> RunContext | None:

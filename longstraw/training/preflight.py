@@ -1,14 +1,16 @@
 """Checks that fail a run in one line before anything expensive starts (Prefect, a prefill).
 
 `preflight(config, resume)` raises `UserError` ("<what> — <fix>") for the first problem found:
-the model checkpoint, `--resume` without a committed checkpoint, a storage root that cannot be
-written, a missing JSONL dataset, reward specs that do not import or do not take
-`(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an agent
-environment that does not load, a tracker of `tracking.report_to` whose package is missing, more ranks than prefill shards, `parallel.backend: nccl` without
-a GPU per rank, every prompt of a JSONL dataset (each line parses, token ids inside the model's
-vocabulary, prompt + response within its positions), and the free space of a local root against
-what one step writes. No weights are loaded; a JSONL dataset is read (and its text prompts
-tokenized) once per process.
+the model checkpoint (a directory, or a Hugging Face model id in the local cache) and the
+reference one, `--resume` without a committed checkpoint, a storage root that cannot be written,
+a missing JSONL dataset, reward specs that do not import or do not take
+`(prompt, response, metadata)`, `grpo.reward_weights` of another length than the rewards, an
+agent environment that does not load, a tracker of `tracking.report_to` whose package is
+missing, more ranks than prefill shards, `parallel.backend: nccl` without a GPU per rank, every
+prompt of a JSONL dataset, the held-out ones of `eval.data` too (each line parses, token ids
+inside the model's vocabulary, prompt + response within its positions), and the free space of a local root against what one step
+writes. No weights are loaded; a JSONL dataset is read (and its text prompts tokenized) once
+per process.
 """
 
 from __future__ import annotations
@@ -49,31 +51,48 @@ def preflight(config: RunConfig, resume: bool) -> None:
 
 def check_model(config: RunConfig) -> None:
     from longstraw.models.adapters import SUPPORTED_MODEL_TYPES
+    from longstraw.models.hub import resolve_checkpoint
 
+    if config.model.reference_checkpoint is not None:
+        # A reference model id that is not in the cache is named before any work.
+        resolve_checkpoint(config.model.reference_checkpoint, field="model.reference_checkpoint")
     if config.model.checkpoint is None:
         return  # built on first use (the demo)
-    path = Path(config.model.checkpoint).expanduser()
+    spec = config.model.checkpoint
+    path = checkpoint_dir(config)  # a model id that is not in the cache is refused here
+    # A model id is named with its snapshot, so that a broken download is found in the cache.
+    what = (
+        f"model.checkpoint {path}"
+        if path == Path(spec).expanduser()
+        else f"model.checkpoint {spec} (snapshot {path})"
+    )
     fix = (
         "point model.checkpoint at a Hugging Face checkpoint directory (config.json + safetensors)"
     )
     if not path.exists():
-        raise UserError(f"model.checkpoint {path} does not exist — {fix}")
+        raise UserError(f"{what} does not exist — {fix}")
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(f"model.checkpoint {path} is not a directory with a config.json — {fix}")
+        raise UserError(f"{what} is not a directory with a config.json — {fix}")
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
-        raise UserError(
-            f"model.checkpoint {path}: config.json is unreadable ({err}) — {fix}"
-        ) from err
+        raise UserError(f"{what}: config.json is unreadable ({err}) — {fix}") from err
     types = {raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")}
     if not types & set(SUPPORTED_MODEL_TYPES):
         raise UserError(
-            f"model.checkpoint {path} is a {raw.get('model_type')!r} model, which LongStraw does not "
+            f"{what} is a {raw.get('model_type')!r} model, which LongStraw does not "
             f"support — use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if not any(path.glob("*.safetensors")):
-        raise UserError(f"model.checkpoint {path} has no *.safetensors weights — {fix}")
+        raise UserError(f"{what} has no *.safetensors weights — {fix}")
+
+
+def checkpoint_dir(config: RunConfig) -> Path:
+    """The directory `model.checkpoint` names (set): itself, or a model id's cached snapshot."""
+    from longstraw.models.hub import resolve_checkpoint
+
+    assert config.model.checkpoint is not None
+    return resolve_checkpoint(config.model.checkpoint)
 
 
 def check_resume(config: RunConfig, resume: bool) -> None:
@@ -92,16 +111,25 @@ def check_resume(config: RunConfig, resume: bool) -> None:
     latest_valid_checkpoint(config.storage, config.run_id)
 
 
+def data_sections(config: RunConfig) -> list[tuple[str, object]]:
+    """(where in the config, the prompt source) of the training prompts and the held-out ones."""
+    sections = [("data", config.data)]
+    if config.eval is not None:
+        sections.append(("eval.data", config.eval.data))
+    return sections
+
+
 def check_data(config: RunConfig) -> None:
-    if config.data.type != "jsonl":
-        return
-    for field in ("path", "responses_path"):
-        value = getattr(config.data, field)
-        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
-            raise UserError(
-                f"data.{field} {value} does not exist — give the path of the JSONL file "
-                "(relative paths are taken from the current directory)"
-            )
+    for section, data in data_sections(config):
+        if data.type != "jsonl":
+            continue
+        for field in ("path", "responses_path"):
+            value = getattr(data, field)
+            if value is not None and "://" not in value and not Path(value).expanduser().is_file():
+                raise UserError(
+                    f"{section}.{field} {value} does not exist — give the path of the JSONL "
+                    "file (relative paths are taken from the current directory)"
+                )
 
 
 def check_rewards(config: RunConfig) -> None:
@@ -110,12 +138,15 @@ def check_rewards(config: RunConfig) -> None:
 
     register_haystack_rewards()
 
-    for spec in config.data.rewards:
+    specs = [
+        (f"{section}.rewards", spec) for section, d in data_sections(config) for spec in d.rewards
+    ]
+    for field, spec in specs:
         try:
             fn = get_reward(spec)
         except ValueError as err:
             what, _, fix = str(err).rpartition("; ")  # get_reward's messages end in "; <fix>"
-            raise UserError(f"data.rewards: {what} — {fix}" if what else f"{err}") from err
+            raise UserError(f"{field}: {what} — {fix}" if what else f"{err}") from err
         try:
             signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -124,7 +155,7 @@ def check_rewards(config: RunConfig) -> None:
             signature.bind("prompt", "response", {})
         except TypeError as err:
             raise UserError(
-                f"data.rewards: reward {spec!r} has the signature {signature}, which cannot be "
+                f"{field}: reward {spec!r} has the signature {signature}, which cannot be "
                 f"called as (prompt, response, metadata) ({err}) — define it as "
                 "def reward(prompt: str, response: str, metadata: dict) -> float"
             ) from err
@@ -145,16 +176,19 @@ def check_environment(config: RunConfig) -> None:
 def check_world_size(config: RunConfig) -> None:
     from longstraw.engine.state import shard_bounds
 
-    if config.parallel.world_size == 1 or config.data.type != "haystack":
-        return  # a JSONL prompt's length is known only once it is tokenized
-    tokens = config.data.task.num_prompt_tokens
-    shards = len(shard_bounds(tokens - 1, config.engine.shard_tokens))
-    if config.parallel.world_size > shards:
-        raise UserError(
-            f"parallel.world_size {config.parallel.world_size} is more than the {shards} prefill "
-            f"shards of a {tokens}-token prompt (engine.shard_tokens {config.engine.shard_tokens}) "
-            "— lower parallel.world_size or engine.shard_tokens"
-        )
+    if config.parallel.world_size == 1:
+        return
+    for section, data in data_sections(config):
+        if data.type != "haystack":
+            continue  # a JSONL prompt's length is known only once it is tokenized
+        tokens = data.task.num_prompt_tokens
+        shards = len(shard_bounds(tokens - 1, config.engine.shard_tokens))
+        if config.parallel.world_size > shards:
+            raise UserError(
+                f"parallel.world_size {config.parallel.world_size} is more than the {shards} "
+                f"prefill shards of a {tokens}-token prompt of {section} (engine.shard_tokens "
+                f"{config.engine.shard_tokens}) — lower parallel.world_size or engine.shard_tokens"
+            )
 
 
 def _probe_local(directory: Path, what: str) -> None:
@@ -248,7 +282,7 @@ def _model_facts(config: RunConfig) -> _ModelFacts:
 
     m = config.model
     hf = (
-        AutoConfig.from_pretrained(str(Path(m.checkpoint).expanduser()))
+        AutoConfig.from_pretrained(str(checkpoint_dir(config)))
         if m.checkpoint is not None
         else build_config(m.init_family, m.init_size)
     )
@@ -265,14 +299,22 @@ def check_prompts(config: RunConfig) -> list[int]:
     """The token count of every prompt of the run (a haystack run: its task length), after
     checking each against the model: ids inside the vocabulary, prompt + grpo.max_completion_length
     within max_position_embeddings. A JSONL dataset is read line by line; an error names the
-    file and the line."""
+    file and the line. The held-out prompts of `eval.data` are checked the same way."""
+    if config.eval is not None:
+        _checked_prompts(config, "eval.data")
+    return _checked_prompts(config, "data")
+
+
+def _checked_prompts(config: RunConfig, section: str) -> list[int]:
+    """`check_prompts` of one prompt source: `data` or `eval.data`."""
+    data = config.data if section == "data" else config.eval.data
     facts = _model_facts(config)
     response = config.grpo.max_completion_length
-    if config.data.type != "jsonl":
-        tokens = config.data.task.num_prompt_tokens
-        _check_length(facts, tokens, response, "data.task.num_prompt_tokens", config)
+    if data.type != "jsonl":
+        tokens = data.task.num_prompt_tokens
+        _check_length(facts, tokens, response, f"{section}.task.num_prompt_tokens", config)
         return [tokens]
-    path = Path(config.data.path).expanduser()
+    path = Path(data.path).expanduser()
     stat = path.stat()
     key = (
         str(path.resolve()),
@@ -282,9 +324,10 @@ def check_prompts(config: RunConfig) -> list[int]:
         response,
         config.grpo.reward_weights is None or len(config.grpo.reward_weights),
         config.agent is not None and config.agent.model_dump_json(),
+        section,
     )
     if key not in _CHECKED_DATASETS:
-        _CHECKED_DATASETS[key] = _check_jsonl_prompts(config, path, facts)
+        _CHECKED_DATASETS[key] = _check_jsonl_prompts(config, path, facts, section)
     return _CHECKED_DATASETS[key]
 
 
@@ -301,17 +344,19 @@ def _check_length(facts: _ModelFacts, tokens: int, response: int, what: str, con
     )
 
 
-def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> list[int]:
+def _check_jsonl_prompts(
+    config: RunConfig, path: Path, facts: _ModelFacts, section: str = "data"
+) -> list[int]:
     from longstraw.data.jsonl import DataFormatError, read_prompt_lines
-    from longstraw.training.prompts import record_prompt_ids
 
     tokenizer = None
     framing = 0  # tokens the chat template adds around an agent run's prompt
-    weights = config.grpo.reward_weights
+    # The reward weights are the training rewards'; held-out prompts' own rewards count 1 each.
+    weights = config.grpo.reward_weights if section == "data" else None
     lengths: list[int] = []
     try:
         for line, record in read_prompt_lines(path):
-            where = f"data.path {path}:{line}: prompt {record.id!r}"
+            where = f"{section}.path {path}:{line}: prompt {record.id!r}"
             if record.reward is not None and weights is not None and len(weights) != 1:
                 raise UserError(
                     f"{where} names its own reward {record.reward!r}, but grpo.reward_weights "
@@ -320,7 +365,7 @@ def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> l
                 )
             if record.prompt_ids is None and tokenizer is None:
                 tokenizer, framing = _tokenizer_and_framing(config)
-            ids = record_prompt_ids(record, tokenizer)
+            ids = _rendered_ids(record, tokenizer, f"{section}.path {path}:{line}")
             if not ids:
                 raise UserError(
                     f"{where} is empty after tokenization — give it some text, or remove the line"
@@ -336,20 +381,43 @@ def _check_jsonl_prompts(config: RunConfig, path: Path, facts: _ModelFacts) -> l
             assert low >= 0, low  # PromptRecord's TokenId is >= 0
             if config.agent is not None and tokenizer is None:
                 tokenizer, framing = _tokenizer_and_framing(config)
-            _check_length(
-                facts, len(ids) + framing, config.grpo.max_completion_length, where, config
-            )
-            lengths.append(len(ids) + framing)
+            # Chat messages are framed by the template already; an agent run adds nothing.
+            tokens = len(ids) + (0 if record.messages is not None else framing)
+            _check_length(facts, tokens, config.grpo.max_completion_length, where, config)
+            lengths.append(tokens)
     except DataFormatError as err:
         raise UserError(
-            f"data.path {err} — fix that line (the format: docs/data.md, one JSON object per line)"
+            f"{section}.path {err} — fix that line (the format: docs/data.md, one JSON object "
+            "per line)"
         ) from err
     if not lengths:
         raise UserError(
-            f"data.path {path} holds no prompts — write one JSON object per line "
-            '({"id": ..., "prompt": ...}, docs/data.md), or point data.path at another file'
+            f"{section}.path {path} holds no prompts — write one JSON object per line "
+            f'({{"id": ..., "prompt": ...}}, docs/data.md), or point {section}.path at another '
+            "file"
         )
     return lengths
+
+
+def _rendered_ids(record, tokenizer, where: str) -> list[int]:
+    """[P] the record's prompt ids (`training.prompts.record_prompt_ids`); a chat template that
+    cannot render its `messages` is named at the record's line."""
+    from jinja2 import TemplateError
+
+    from longstraw.training.prompts import record_prompt_ids
+
+    try:
+        return record_prompt_ids(record, tokenizer)
+    except (UserError, TemplateError) as err:
+        if record.messages is None:
+            raise
+        # LongStraw's own message ends in its fix ("...; use ..."): the fix below replaces it.
+        detail = " ".join(str(err).split(";")[0].split()) or type(err).__name__
+        raise UserError(
+            f"{where}: field 'messages': the chat template cannot render them ({detail}) — "
+            "use a checkpoint whose tokenizer has a chat template that takes these roles, or "
+            "give the prompt as 'prompt' (text) or 'prompt_ids'"
+        ) from err
 
 
 def _tokenizer_and_framing(config: RunConfig) -> tuple[object, int]:
@@ -425,7 +493,7 @@ def _checkpoint_numel(config: RunConfig, facts: _ModelFacts) -> tuple[int, int]:
     """(parameters, bytes of the files beside the weights) of the run's starting checkpoint:
     from the safetensors headers of a configured one, from the config of one to be built."""
     if config.model.checkpoint is not None:
-        path = Path(config.model.checkpoint).expanduser()
+        path = checkpoint_dir(config)
         total = 0
         for file in sorted(path.glob("*.safetensors")):
             with open(file, "rb") as handle:

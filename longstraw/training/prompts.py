@@ -11,7 +11,7 @@ import torch
 
 from longstraw.data.haystack import generate_haystack_task
 from longstraw.data.jsonl import read_prompt_dataset
-from longstraw.data.trajectory import chat_prompt_ids
+from longstraw.data.trajectory import chat_prompt_ids, prompt_messages_ids, prompt_messages_text
 from longstraw.schemas.run import HaystackDataConfig, JsonlDataConfig, RunConfig
 
 
@@ -27,6 +27,9 @@ class PromptExample:
     metadata: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
     """The prompt as text when cheap to have (rewards receive it); None for id-only prompts."""
+    chat: bool = False
+    """The prompt is chat messages already rendered by the chat template (agent runs do not
+    frame it again)."""
 
     @property
     def digest(self) -> str:
@@ -45,6 +48,10 @@ class HaystackPrompts:
     def __init__(self, config: HaystackDataConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
+
+    def __len__(self) -> int:
+        """Distinct prompts (indices past them cycle)."""
+        return self.config.num_prompts
 
     def __call__(self, index: int) -> PromptExample:
         slot = index % self.config.num_prompts
@@ -77,6 +84,10 @@ class JsonlPrompts:
                 config.responses_path, tokenizer, prompt_ids={r.id for r in self.records}
             )
 
+    def __len__(self) -> int:
+        """Records of the file (indices past them cycle)."""
+        return len(self.records)
+
     def __call__(self, index: int) -> PromptExample:
         record = self.records[index % len(self.records)]
         ids = torch.tensor(record_prompt_ids(record, self.tokenizer), dtype=torch.int64)
@@ -88,16 +99,27 @@ class JsonlPrompts:
             prompt_ids=ids,
             rewards=[record.reward] if record.reward else list(self.config.rewards),
             metadata=metadata,
-            text=record.prompt,
+            text=record.prompt
+            if record.messages is None
+            else record_chat_text(record, self.tokenizer),
+            chat=record.messages is not None,
         )
 
 
 def record_prompt_ids(record, tokenizer) -> list[int]:
-    """[P] a JSONL record's prompt as the model sees it: its `prompt_ids`, or its text tokenized
+    """[P] a JSONL record's prompt as the model sees it: its `prompt_ids`; its `messages`
+    rendered by the tokenizer's chat template up to the assistant header; or its text tokenized
     by the run's tokenizer without special tokens."""
     if record.prompt_ids is not None:
         return list(record.prompt_ids)
+    if record.messages is not None:
+        return prompt_messages_ids(tokenizer, record.messages)
     return list(tokenizer.encode(record.prompt, add_special_tokens=False))
+
+
+def record_chat_text(record, tokenizer) -> str:
+    """A `messages` record's prompt as the text the chat template renders (what rewards get)."""
+    return prompt_messages_text(tokenizer, record.messages)
 
 
 def prompt_source(config: HaystackDataConfig | JsonlDataConfig, tokenizer):
@@ -109,7 +131,8 @@ def prompt_source(config: HaystackDataConfig | JsonlDataConfig, tokenizer):
 class ChatPrompts:
     """Another source's prompts as the user message of a chat (agent runs): framed by the
     tokenizer's chat template, an optional system message first, the first assistant header
-    last. The prompt's own ids are kept; its text (for rewards and environments) too."""
+    last. The prompt's own ids are kept; its text (for rewards and environments) too. A prompt
+    given as chat messages is already framed: it is used as it is (no system message added)."""
 
     imported = None
 
@@ -120,6 +143,8 @@ class ChatPrompts:
 
     def __call__(self, index: int) -> PromptExample:
         example = self.source(index)
+        if example.chat:
+            return example  # a `messages` record is its own chat, system message included
         ids = chat_prompt_ids(self.tokenizer, example.prompt_ids.tolist(), system=self.system)
         return replace(example, prompt_ids=torch.tensor(ids, dtype=torch.int64))
 
@@ -133,3 +158,8 @@ def run_prompt_source(config: RunConfig, tokenizer):
 
     system = system_prompt(config.agent.environment) if config.agent.system_prompt else None
     return ChatPrompts(source, tokenizer, system=system)
+
+
+def eval_prompt_source(config: RunConfig, tokenizer):
+    """The held-out prompts of `eval.data` (None without an eval section)."""
+    return None if config.eval is None else prompt_source(config.eval.data, tokenizer)

@@ -19,6 +19,7 @@ from longstraw.schemas.refs import PolicyRef, UpdateResult
 from longstraw.schemas.results import GroupStats, StateTraffic, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.trackers.completions import write_completions
+from longstraw.training import evaluation as _evaluation
 from longstraw.training import progress
 from longstraw.training import stages as _stages
 
@@ -40,6 +41,8 @@ class Stages:
     record_step: Callable
     on_prefill_shard: Callable[[int, int], None] | None = None
     """Progress callback (shards done, shards in the step)."""
+    evaluate: Callable = _evaluation.evaluate
+    """The held-out prompts' evaluation (`train.eval_steps`)."""
 
 
 IN_PROCESS = Stages(
@@ -152,6 +155,13 @@ def run_step(
         metrics = metrics.model_copy(update=agent_metrics(records))
     if config.tracking.report_to and config.tracking.completions_per_step:
         write_completions(config, policy.step, records, plan.advantages)
+    if _evaluation.is_eval_step(config, current.step):
+        # The weights this step made, before its checkpoint: the row the checkpoint carries
+        # holds the evaluation too, so a resume never evaluates a recorded step again.
+        started = time.perf_counter()
+        evaluated = stages.evaluate(config, current)
+        add("eval", time.perf_counter() - started)
+        metrics = metrics.model_copy(update={"eval": evaluated, "seconds": dict(seconds)})
     if _stages.is_checkpoint_step(config, current.step):
         # The checkpoint carries the step's record (without its own time): a process killed
         # between this commit and `record_step` gets the row back on resume.

@@ -68,6 +68,29 @@ def bad_prompt_error(tmp_path, bad_line: str, line_no: int = 3) -> DataFormatErr
         ('["not", "an", "object"]', None, "JSON object"),
         ('{"id": "p2", "prompt": "x", "prompt_ids": [1]}', "prompt", "exactly one of 'prompt'"),
         ('{"id": "p2"}', "prompt", "got neither"),
+        (
+            '{"id": "p2", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}',
+            "prompt",
+            "'prompt' and 'messages' are given together: give exactly one of",
+        ),
+        (
+            '{"id": "p2", "prompt_ids": [1], "messages": [{"role": "user", "content": "x"}]}',
+            "prompt_ids",
+            "'prompt_ids' and 'messages' are given together",
+        ),
+        ('{"id": "p2", "messages": []}', "messages", "at least 1"),
+        (
+            '{"id": "p2", "messages": [{"role": "bot", "content": "x"}]}',
+            "messages.0.role",
+            "'user'",
+        ),
+        ('{"id": "p2", "messages": [{"role": "user"}]}', "messages.0.content", "Field required"),
+        (
+            '{"id": "p2", "messages": [{"role": "user", "content": "q"}, '
+            '{"role": "assistant", "content": "a"}]}',
+            "messages",
+            "ends with an assistant message",
+        ),
         ('{"id": "p2", "prompt_ids": [1, -4]}', "prompt_ids.1", "greater than or equal to 0"),
         ('{"id": "p2", "prompt_ids": []}', "prompt_ids", "at least 1"),
         ('{"id": "p2", "prompt": ""}', "prompt", "at least 1"),

@@ -19,6 +19,7 @@ from longstraw.schemas.run import ConfigError, RunConfig, validated_run_config
 from longstraw.trackers import run_trackers
 from longstraw.trackers.completions import completion_rows, cut
 from longstraw.trackers.metric_names import (
+    EVAL_NAMES,
     LONGSTRAW_NAMES,
     SECONDS_PREFIX,
     TRL_NAMES,
@@ -88,7 +89,7 @@ def test_metric_names_are_the_documented_ones():
     text = (REPO / "docs" / "operations.md").read_text()
     section = text[text.index("## Experiment trackers") : text.index("## Faults and what")]
     documented = re.findall(r"^\| `([^`]+)` \|", section, flags=re.MULTILINE)
-    assert documented == [*TRL_NAMES, *LONGSTRAW_NAMES, SECONDS_PREFIX + "<stage>"]
+    assert documented == [*TRL_NAMES, *LONGSTRAW_NAMES, *EVAL_NAMES, SECONDS_PREFIX + "<stage>"]
 
 
 def _record(rewards: list[float], lengths: list[int], masks=None) -> RolloutRecord:
