@@ -261,19 +261,31 @@ def _bound_implementation(fn) -> str:
 
 
 def _probe_kernels_ran(ctx: Context) -> dict[str, str]:
-    """The kernel each layer kind's prefix partial takes on this device, per model dtype."""
-    from longstraw.ops import partial_attention
+    """{"<family> <dtype> <site>": kernel} from the dispatch's log of one short exact step
+    (prefill, replay, sweep) of each tiny model that has the site, fp32 and bf16."""
+    from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.grpo.grad_buffer import GradBuffer
+    from longstraw.ops import dispatch
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.schemas.run import EngineConfig
 
     ran = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        q = torch.zeros(1, 2, 3, 8, dtype=dtype, device=ctx.device)
-        kv = torch.zeros(5, 1, 8, dtype=dtype, device=ctx.device)
-        flash = partial_attention._flash_applies(q, kv, kv)
-        name = str(dtype).removeprefix("torch.")
-        ran[f"full attention prefix partial ({name})"] = (
-            "aten cpu flash" if flash else "longstraw chunked online softmax"
-        )
-    ran["gated delta rule backward recompute"] = "longstraw chunked (pure torch)"
+    for family in ("qwen3_5", "glm_moe_dsa"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = ctx.model(family, dtype)
+            prompt, responses, advantages = _group(model.config.vocab_size, 2, 65, ctx.device)
+            dispatch.reset_log()
+            accumulate_group_gradients(
+                model, prompt, responses, advantages, GRPOConfig(),
+                EngineConfig(shard_tokens=16, prompt_grad="exact"), grad_buffer=GradBuffer(model),
+            )  # fmt: skip
+            name = f"{family} {str(dtype).removeprefix('torch.')}"
+            for site, kernel in dispatch.kernels_ran().items():
+                ran[f"{name} {site}"] = kernel
+            if family == "glm_moe_dsa":
+                # Absorbed MLA and the DSA selection have no kernel choice: LongStraw's torch.
+                ran[f"{name} mla_attention"] = "torch (no dispatch)"
+    dispatch.reset_log()
     return ran
 
 
