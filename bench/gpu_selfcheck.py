@@ -1,15 +1,17 @@
 """One command that validates LongStraw on a GPU: kernels, parity, exact gradients, a 1M-token step.
 
-    timeout 900 python bench/gpu_selfcheck.py --out bench/results          # one H200: < 10 min
-    python bench/gpu_selfcheck.py --smoke --out /tmp/selfcheck             # any CPU: seconds
+    timeout 590 .venv/bin/python bench/gpu_selfcheck.py --out bench/results   # one H200: < 10 min
+    .venv/bin/python bench/gpu_selfcheck.py --smoke --out /tmp/selfcheck      # a CPU: seconds
 
 Writes `<out>/gpu_selfcheck.json` (after every section, so a killed run keeps what it finished)
-and `<out>/gpu_selfcheck.md` (the same as tables). Sections, each under its own time budget and
-its own try/except (a failure or an exhausted budget is recorded, the next section still runs):
+and `<out>/gpu_selfcheck.md` (the same as tables). Sections, each under its own time budget (no
+new configuration starts past it; the section is stopped at 1.2x it + 10 s) and its own
+try/except (a failure or an exhausted budget is recorded with the rows done so far, and the next
+section still runs):
 
 - `kernels`: flash-attn, fla, causal-conv1d (installed, version, importable), the function
-  transformers bound for each Gated DeltaNet kernel, and the kernel each layer kind ran in a
-  short prefill + replay on the device;
+  transformers bound for each Gated DeltaNet kernel, and the kernel each call site ran
+  (`longstraw.ops.dispatch`) in a short exact step on the device;
 - `parity`: log-probs of prefill + branch replay against one transformers forward over
   prompt + response, per family, fp32 and bf16;
 - `exact_gradient`: exact-mode gradient against float64 autograd of the full sequence, per
@@ -40,8 +42,10 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,8 +53,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-for _path in (TESTS, TESTS / "engine"):
+# The tests' references (float64 truth, transformers' own paths) and, for a checkout that is not
+# installed, the package itself.
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+for _path in (ROOT, TESTS, TESTS / "engine"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -97,14 +104,15 @@ class SelfCheckConfig(BaseModel):
     """Budget = this fraction of the state (and its cotangent): below the state, as asked."""
     budgets_s: dict[str, float] = Field(
         default_factory=lambda: {
-            "kernels": 30,
+            "kernels": 45,
             "parity": 60,
-            "exact_gradient": 90,
-            "scale": 300,
-            "tiers": 90,
+            "exact_gradient": 60,
+            "scale": 240,
+            "tiers": 60,
         }
     )
-    """Seconds per section; the sum stays under ten minutes with start-up and model builds."""
+    """Seconds per section (soft: no new configuration starts past it; hard: the section is
+    stopped at 1.2x + 10 s). 465 s in all, so start-up and model builds fit in ten minutes."""
     require_cuda: bool = True
     """Every section but `kernels` is skipped without a CUDA device (the GPU check proper)."""
 
@@ -215,17 +223,44 @@ class Context:
             torch.cuda.empty_cache()
 
 
-def run_section(name: str, fn: Callable[[Context, Budget], dict], ctx: Context) -> dict:
-    """`fn`'s record with status, seconds and budget; an exception becomes status "failed"."""
+class SectionTimeout(BaseException):
+    """A section ran past its hard limit (a BaseException: the per-row handlers must not
+    swallow it)."""
+
+
+@contextlib.contextmanager
+def _hard_limit(seconds: float):
+    """Raise SectionTimeout in this (main) thread after `seconds`; no limit elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SectionTimeout(f"stopped at the hard limit of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_section(name: str, fn: Callable[[Context, Budget, dict], None], ctx: Context) -> dict:
+    """The record `fn` fills in place (rows survive a failure) with status, seconds, budget; an
+    exception or the hard time limit becomes status "failed" with the reason."""
     budget = Budget(ctx.config.budgets_s[name])
+    record: dict = {}
     try:
         if name != "kernels" and ctx.config.require_cuda and not ctx.cuda:
-            record = {"status": NO_CUDA}
+            record["status"] = NO_CUDA
         else:
-            record = fn(ctx, budget)
+            with _hard_limit(budget.seconds * 1.2 + 10):
+                fn(ctx, budget, record)
         record.setdefault("status", "ok")
-    except Exception as exc:
-        record = {"status": "failed", "reason": _error(exc), "traceback": traceback.format_exc()}
+    except (Exception, SectionTimeout) as exc:
+        record.update(status="failed", reason=_error(exc), traceback=traceback.format_exc())
     ctx.drop_models()
     record["seconds"] = round(budget.elapsed(), 3)
     record["budget_s"] = budget.seconds
@@ -272,14 +307,18 @@ def _probe_kernels_ran(ctx: Context) -> dict[str, str]:
     ran = {}
     for family in ("qwen3_5", "glm_moe_dsa"):
         for dtype in (torch.float32, torch.bfloat16):
-            model = ctx.model(family, dtype)
-            prompt, responses, advantages = _group(model.config.vocab_size, 2, 65, ctx.device)
-            dispatch.reset_log()
-            accumulate_group_gradients(
-                model, prompt, responses, advantages, GRPOConfig(),
-                EngineConfig(shard_tokens=16, prompt_grad="exact"), grad_buffer=GradBuffer(model),
-            )  # fmt: skip
             name = f"{family} {str(dtype).removeprefix('torch.')}"
+            dispatch.reset_log()
+            try:
+                model = ctx.model(family, dtype)
+                prompt, responses, advantages = _group(model.config.vocab_size, 2, 65, ctx.device)
+                accumulate_group_gradients(
+                    model, prompt, responses, advantages, GRPOConfig(),
+                    EngineConfig(shard_tokens=16, prompt_grad="exact"),
+                    grad_buffer=GradBuffer(model),
+                )  # fmt: skip
+            except Exception as exc:  # what ran before the error is still reported
+                ran[f"{name} step"] = _error(exc)
             for site, kernel in dispatch.kernels_ran().items():
                 ran[f"{name} {site}"] = kernel
             if family == "glm_moe_dsa":
@@ -289,7 +328,7 @@ def _probe_kernels_ran(ctx: Context) -> dict[str, str]:
     return ran
 
 
-def kernels_section(ctx: Context, budget: Budget) -> dict:
+def kernels_section(ctx: Context, budget: Budget, record: dict) -> None:
     from longstraw.models.kernels import GPU_KERNELS
 
     packages = []
@@ -313,13 +352,12 @@ def kernels_section(ctx: Context, budget: Budget) -> dict:
         for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"):
             fn = getattr(modeling, name, None)
             bindings[f"{family}.{name}"] = "absent" if fn is None else _bound_implementation(fn)
-    record = {"packages": packages, "transformers_bindings": bindings}
+    record.update(packages=packages, transformers_bindings=bindings)
     try:
         record["kernels_ran"] = _probe_kernels_ran(ctx)
     except Exception as exc:
         record["kernels_ran"] = {"probe": _error(exc)}
         record["status"] = "failed"
-    return record
 
 
 # --- parity ------------------------------------------------------------------------------------
@@ -354,9 +392,9 @@ def _logprob_diffs(model, prompt_len, shard_tokens, response_lens, device) -> li
 PARITY_TOL = {"float32": 1e-5, "bfloat16": 0.15}
 
 
-def parity_section(ctx: Context, budget: Budget) -> dict:
+def parity_section(ctx: Context, budget: Budget, record: dict) -> None:
     cfg = ctx.config
-    rows = []
+    rows = record.setdefault("rows", [])
     for family in cfg.families:
         for dtype_name in ("float32", "bfloat16"):
             row = {"family": family, "dtype": dtype_name, "device": str(ctx.device)}
@@ -381,13 +419,13 @@ def parity_section(ctx: Context, budget: Budget) -> dict:
                 row["status"] = _error(exc)
             rows.append(row)
             ctx.release()
-    return {"rows": rows, "status": _rows_status(rows)}
+    record["status"] = _rows_status(rows)
 
 
 # --- exact gradient ----------------------------------------------------------------------------
 
 
-def exact_gradient_section(ctx: Context, budget: Budget) -> dict:
+def exact_gradient_section(ctx: Context, budget: Budget, record: dict) -> None:
     from engine_helpers import random_group, vocab_of
     from float64 import relative_errors
     from float64_reference import REL_FLOOR, TIMES_TRANSFORMERS, float64_comparison
@@ -395,7 +433,7 @@ def exact_gradient_section(ctx: Context, budget: Budget) -> dict:
     from longstraw.schemas.grpo import GRPOConfig
 
     cfg = ctx.config
-    rows = []
+    rows = record.setdefault("rows", [])
     for family in cfg.gradient_families:
         row = {"family": family, "device": str(ctx.device), "prompt_len": cfg.gradient_prompt_len}
         reason = budget.skip_reason()
@@ -434,7 +472,7 @@ def exact_gradient_section(ctx: Context, budget: Budget) -> dict:
             row["status"] = _error(exc)
         rows.append(row)
         ctx.release()
-    return {"rows": rows, "status": _rows_status(rows)}
+    record["status"] = _rows_status(rows)
 
 
 # --- scale -------------------------------------------------------------------------------------
@@ -452,7 +490,7 @@ def _group(vocab: int, num: int, prompt_len: int, device: torch.device, seed: in
     return _device(prompt, device), _device(responses, device), advantages
 
 
-def _step(ctx: Context, model, state, num: int, prompt_grad: str, engine_extra=None) -> dict:
+def _step(ctx: Context, model, state, num: int, prompt_grad: str, engine_extra=None):
     """One group's gradient from a prefilled state: stage seconds, peak allocated, the grads."""
     from longstraw.engine.group import accumulate_group_gradients
     from longstraw.grpo.grad_buffer import GradBuffer
@@ -473,7 +511,7 @@ def _step(ctx: Context, model, state, num: int, prompt_grad: str, engine_extra=N
     ctx.synchronize()
     step_s = time.perf_counter() - started
     peak = ctx.peak_allocated()
-    record = {
+    measured = {
         "replay_s": stats.seconds.replay,
         "sweep_s": stats.seconds.sweep,
         "step_s": step_s,
@@ -482,8 +520,8 @@ def _step(ctx: Context, model, state, num: int, prompt_grad: str, engine_extra=N
         "cotangent_bytes": stats.cotangent_bytes,
     }
     if stats.state_traffic is not None:
-        record.update(stats.state_traffic.model_dump())
-    return record, buffer
+        measured.update(stats.state_traffic.model_dump())
+    return measured, buffer
 
 
 def _predicted(done: list[dict], prompt_len: int, key: str, **match) -> float | None:
@@ -494,12 +532,15 @@ def _predicted(done: list[dict], prompt_len: int, key: str, **match) -> float | 
     return None
 
 
-def scale_section(ctx: Context, budget: Budget) -> dict:
+def scale_section(ctx: Context, budget: Budget, record: dict) -> None:
     from longstraw.engine.prefill import prefill
+    from longstraw.ops import dispatch
 
     cfg = ctx.config
     model = ctx.model("qwen3_5", getattr(torch, cfg.scale_dtype), cfg.scale_size)
-    prefills, rows = [], []
+    prefills, rows = record.setdefault("prefill", []), record.setdefault("rows", [])
+    growth = record.setdefault("group_growth", [])
+    dispatch.reset_log()
     for prompt_len in cfg.scale_lengths:
         base = {"prompt_len": prompt_len, "dtype": cfg.scale_dtype, "device": str(ctx.device)}
         reason = budget.skip_reason(_predicted(prefills, prompt_len, "prefill_s"))
@@ -538,20 +579,17 @@ def scale_section(ctx: Context, budget: Budget) -> dict:
                     rows.append({**row, "status": reason})
                     continue
                 try:
-                    record, buffer = _step(ctx, model, state, num, prompt_grad)
+                    measured, buffer = _step(ctx, model, state, num, prompt_grad)
                     del buffer
-                    rows.append({**row, **record, "status": "ok"})
+                    rows.append({**row, **measured, "status": "ok"})
                 except Exception as exc:
                     rows.append({**row, "status": _error(exc)})
                 ctx.release()
         del state
         ctx.release()
-    return {
-        "prefill": prefills,
-        "rows": rows,
-        "group_growth": _group_growth(rows),
-        "status": _rows_status(prefills + rows),
-    }
+        growth[:] = _group_growth(rows)
+        record["kernels_ran"] = dispatch.kernels_ran()
+    record["status"] = _rows_status(prefills + rows)
 
 
 def _group_growth(rows: list[dict]) -> list[dict]:
@@ -584,7 +622,7 @@ def _group_growth(rows: list[dict]) -> list[dict]:
 # --- tiers -------------------------------------------------------------------------------------
 
 
-def tiers_section(ctx: Context, budget: Budget) -> dict:
+def tiers_section(ctx: Context, budget: Budget, record: dict) -> None:
     from longstraw.engine.prefill import prefill
 
     cfg = ctx.config
@@ -595,7 +633,7 @@ def tiers_section(ctx: Context, budget: Budget) -> dict:
     state_bytes = state.state_bytes()
     held = state_bytes + state_bytes * 4 // next(model.parameters()).element_size()
     budget_bytes = int(held * cfg.tiers_budget_fraction)
-    rows, resident = [], None
+    rows, resident = record.setdefault("rows", []), None
     for label, extra in (
         ("resident", None),
         ("host tier", {"state_budget_bytes": budget_bytes, "state_tier": "host"}),
@@ -608,8 +646,8 @@ def tiers_section(ctx: Context, budget: Budget) -> dict:
             rows.append({**row, "status": reason})
             continue
         try:
-            record, buffer = _step(ctx, model, state, cfg.tiers_group, "exact", extra)
-            row.update(record, status="ok")
+            measured, buffer = _step(ctx, model, state, cfg.tiers_group, "exact", extra)
+            row.update(measured, status="ok")
             if resident is None:
                 resident = buffer.grads
             else:
@@ -622,7 +660,7 @@ def tiers_section(ctx: Context, budget: Budget) -> dict:
             row["status"] = _error(exc)
         rows.append(row)
         ctx.release()
-    return {"rows": rows, "status": _rows_status(rows)}
+    record["status"] = _rows_status(rows)
 
 
 SECTION_FUNCTIONS = {
@@ -798,9 +836,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--scale-lengths", type=int, nargs="+", help="prompt lengths of the scale section"
+    )
+    parser.add_argument(
+        "--budget", action="append", default=[], metavar="SECTION=SECONDS",
+        help="a section's time budget, e.g. --budget scale=300 (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = SMOKE if args.smoke else FULL
+    budgets = dict(config.budgets_s)
+    for item in args.budget:
+        section, _, seconds = item.partition("=")
+        if section not in SECTIONS:
+            parser.error(f"--budget {item}: the section must be one of {', '.join(SECTIONS)}")
+        budgets[section] = float(seconds)
+    update = {"budgets_s": budgets}
+    if args.scale_lengths:
+        update["scale_lengths"] = tuple(args.scale_lengths)
+    config = SelfCheckConfig.model_validate({**config.model_dump(), **update})
     report = run(config, device, args.out, args.sections, "smoke" if args.smoke else "full")
     for name, section in report["sections"].items():
         print(f"{name}: {section['status']} ({section['seconds']:.1f} s)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,20 @@ def test_scale_rows_time_every_stage_and_skip_device_memory_on_cpu(smoke, selfch
         assert row["peak_allocated_bytes"] == selfcheck.NO_CUDA
     # Device memory figures need CUDA: no growth row on a CPU.
     assert scale["group_growth"] == []
+    assert scale["kernels_ran"]["full_attention.prefix"] == "aten-cpu-flash", scale["kernels_ran"]
+
+
+def test_command_line_overrides_budgets_and_lengths(selfcheck, tmp_path):
+    report = selfcheck.main(
+        ["--smoke", "--device", "cpu", "--out", str(tmp_path), "--sections", "scale",
+         "--scale-lengths", "17", "--budget", "scale=0"]
+    )  # fmt: skip
+    assert list(report["config"]["scale_lengths"]) == [17]
+    assert report["sections"]["scale"]["budget_s"] == 0.0
+    assert report["sections"]["scale"]["status"] == "partial"
+    assert report["sections"]["scale"]["prefill"][0]["status"].startswith("skipped: section budget")
+    with pytest.raises(SystemExit):
+        selfcheck.main(["--smoke", "--out", str(tmp_path), "--budget", "nosuch=1"])
 
 
 def test_tiers_stream_under_a_budget_below_the_state_and_match_resident(smoke):
@@ -147,8 +162,9 @@ def test_tiers_stream_under_a_budget_below_the_state_and_match_resident(smoke):
     assert tiered["pinned_host"] is False  # no CUDA here
 
 
-def test_a_failing_section_is_recorded_and_the_next_one_runs(selfcheck, tmp_path, monkeypatch):
-    def broken(ctx, budget):
+def test_a_failing_section_keeps_its_rows_and_the_next_one_runs(selfcheck, tmp_path, monkeypatch):
+    def broken(ctx, budget, record):
+        record.setdefault("rows", []).append({"status": "ok", "done": 1})
         raise RuntimeError("kernel exploded\nsecond line")
 
     monkeypatch.setitem(selfcheck.SECTION_FUNCTIONS, "kernels", broken)
@@ -162,6 +178,7 @@ def test_a_failing_section_is_recorded_and_the_next_one_runs(selfcheck, tmp_path
     kernels, parity = report["sections"]["kernels"], report["sections"]["parity"]
     assert kernels["status"] == "failed"
     assert kernels["reason"] == "error: RuntimeError: kernel exploded"
+    assert kernels["rows"] == [{"status": "ok", "done": 1}]
     # A spent budget skips every configuration of the section instead of running it.
     assert parity["status"] == "partial"
     assert all(r["status"].startswith("skipped: section budget") for r in parity["rows"])
@@ -171,10 +188,28 @@ def test_a_failing_section_is_recorded_and_the_next_one_runs(selfcheck, tmp_path
     }
 
 
+def test_the_hard_limit_stops_a_section_that_overruns(selfcheck):
+    started = time.perf_counter()
+    with pytest.raises(selfcheck.SectionTimeout), selfcheck._hard_limit(0.05):
+        while time.perf_counter() - started < 5:
+            time.sleep(0.01)
+    assert time.perf_counter() - started < 1
+    # The timer is off again afterwards.
+    time.sleep(0.1)
+
+
 def test_full_mode_without_cuda_skips_the_device_sections(selfcheck, tmp_path):
     sections = ["parity", "exact_gradient", "scale", "tiers"]
     report = selfcheck.run(selfcheck.FULL, torch.device("cpu"), tmp_path, sections, "full")
     assert {s["status"] for s in report["sections"].values()} == {selfcheck.NO_CUDA}
+
+
+def test_a_section_fails_on_an_error_or_mismatch_row_and_is_partial_on_skips(selfcheck):
+    ok, skipped = {"status": "ok"}, {"status": "skipped: predicted 9 s > 1 s left"}
+    assert selfcheck._rows_status([ok, ok]) == "ok"
+    assert selfcheck._rows_status([ok, skipped]) == "partial"
+    assert selfcheck._rows_status([ok, skipped, {"status": "mismatch"}]) == "failed"
+    assert selfcheck._rows_status([{"status": "error: RuntimeError: x"}]) == "failed"
 
 
 def test_budget_skips_a_run_predicted_to_overrun(selfcheck):
