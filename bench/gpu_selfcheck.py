@@ -297,8 +297,10 @@ def _bound_implementation(fn) -> str:
 
 def _probe_kernels_ran(ctx: Context) -> dict[str, str]:
     """{"<family> <dtype> <site>": kernel} from the dispatch's log of one short exact step
-    (prefill, replay, sweep) of each tiny model that has the site, fp32 and bf16."""
+    (prefill, replay, sweep) and three decoding steps of each tiny model, fp32 and bf16."""
     from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.rollout import SamplingParams, sample_responses
     from longstraw.grpo.grad_buffer import GradBuffer
     from longstraw.ops import dispatch
     from longstraw.schemas.grpo import GRPOConfig
@@ -316,6 +318,12 @@ def _probe_kernels_ran(ctx: Context) -> dict[str, str]:
                     model, prompt, responses, advantages, GRPOConfig(),
                     EngineConfig(shard_tokens=16, prompt_grad="exact"),
                     grad_buffer=GradBuffer(model),
+                )  # fmt: skip
+                # A few decoding steps of the rollout (its own prefix partial).
+                sample_responses(
+                    model, prefill(model, prompt, shard_tokens=16),
+                    SamplingParams(num_samples=2, max_new_tokens=3),
+                    generator=torch.Generator(device=ctx.device).manual_seed(42),
                 )  # fmt: skip
             except Exception as exc:  # what ran before the error is still reported
                 ran[f"{name} step"] = _error(exc)

@@ -82,6 +82,8 @@ def test_kernels_section_names_every_gpu_package_and_what_ran(smoke):
     assert ran["qwen3_5 float32 full_attention.prefix"] == "aten-cpu-flash", ran
     assert ran["qwen3_5 bfloat16 full_attention.prefix"] == "aten-cpu-flash", ran
     assert ran["qwen3_5 float32 linear_attention.recompute"] == "torch", ran
+    assert ran["qwen3_5 float32 full_attention.decode"] == "aten-cpu-flash", ran
+    assert not any(k.endswith(" step") for k in ran), ran  # no probe failed
     assert not any(k.startswith("glm_moe_dsa") and "linear_attention" in k for k in ran), ran
 
 
