@@ -48,7 +48,8 @@ def prefix_partial(
     """
     if k_TKD.shape[0] > 0 and _flash_applies(q_BHRD, k_TKD, v_TKV):
         return flash_prefix_partial(q_BHRD, k_TKD, v_TKV, 1.0, chunk_size)
-    dispatch.ran("full_attention.prefix", dispatch.TORCH)
+    if k_TKD.shape[0] > 0:  # an empty partial (a rank without positions) runs no kernel
+        dispatch.ran("full_attention.prefix", dispatch.TORCH)
     return _chunked_partial(q_BHRD, k_TKD, v_TKV, chunk_size)
 
 
