@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -115,8 +116,17 @@ def deterministic_when_exact(prompt_grad: str) -> contextlib.AbstractContextMana
     return deterministic_algorithms() if prompt_grad == "exact" else contextlib.nullcontext()
 
 
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+"""cuBLAS's workspace setting for reproducible results (PyTorch's reproducibility notes): with
+deterministic algorithms on, PyTorch refuses cuBLAS calls on CUDA unless
+`CUBLAS_WORKSPACE_CONFIG` is `:4096:8` or `:16:8`."""
+
+
 @contextlib.contextmanager
 def deterministic_algorithms() -> Iterator[None]:
+    if torch.cuda.is_available():
+        # Read by PyTorch at every cuBLAS call it checks; a user's own setting stands.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from longstraw.ops import dispatch
 from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule, final_state_in_float64
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
@@ -131,8 +132,19 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:8]
         blocks = _blocks(query.shape[1], ctx.block_tokens)
 
+        # LongStraw's chunked kernel (fla's on CUDA when opted in: `longstraw.ops.dispatch`).
+        kernel = dispatch.ran(
+            "linear_attention.recompute",
+            dispatch.delta_rule_recompute_kernel(query.device, query.dtype),
+        )
+        recompute = (
+            dispatch.fla_chunk_gated_delta_rule()
+            if kernel == dispatch.FLA
+            else chunked_gated_delta_rule
+        )
+
         def run_block(start_state, q, k, v, gb, bb):
-            return chunked_gated_delta_rule(
+            return recompute(
                 q,
                 k,
                 v,

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longstraw.ops import dispatch
+
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu, "swish": F.silu}
 
 
@@ -76,6 +78,9 @@ def causal_conv1d_with_state(
     output element is the same sequence of fp ops however the sequence is sharded (sharded ==
     one pass bitwise, tested); silu's vectorised and scalar CPU kernels differ in the last ulp,
     so after it sharded and one pass agree to fp32 rounding, as F.conv1d does.
+
+    On CUDA without autograd, causal-conv1d's kernel computes y when installed
+    (`longstraw.ops.dispatch`; not yet run on a GPU); the state is the same either way.
     """
     _check_inputs(x_BCT, weight_CK, bias_C, conv_state_BCS, activation)
     K = weight_CK.shape[1]
@@ -92,6 +97,16 @@ def causal_conv1d_with_state(
     hist_BCL = _history(x_BCT, conv_state_BCS, state_len)
     # clone: the state must not keep the whole shard's history alive through a view.
     new_state_BCS = hist_BCL[:, :, hist_BCL.shape[2] - state_len :].clone()
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_BCT, weight_CK, bias_C, conv_state_BCS)
+    )
+    kernel = dispatch.causal_conv_kernel(x_BCT.device, K, activation, needs_grad)
+    if dispatch.ran("linear_attention.conv", kernel) == dispatch.CAUSAL_CONV1D:
+        initial = (
+            None if conv_state_BCS is None else hist_BCL[:, :, state_len - (K - 1) : state_len]
+        )
+        y_BCT = dispatch.causal_conv1d_partial(x_BCT, weight_CK, bias_C, initial, activation)
+        return y_BCT, new_state_BCS
 
     # The K-1 + T inputs the outputs read; window of output t is xk[:, :, t : t + K].
     xk_BCL = hist_BCL[:, :, hist_BCL.shape[2] - (K - 1 + T) :].to(weight_CK.dtype)

@@ -14,8 +14,10 @@ layer per step, a fixed chunk of keys at a time: one call of PyTorch's fused CPU
 (which returns the log-sum-exp) per chunk, over a [1, K, C, D] view of the [C, K, D] rows of the
 state (no copy), the chunks merged by log-sum-exp in order. The rows' own keys (a view of the
 layer's preallocated branch buffer) are a second, branch-sized partial; the two merge by
-log-sum-exp. Where the fused kernel does not apply (other devices or dtypes, V != D) the prefix
-partial is the same folded block against prefix chunks, one bmm per chunk.
+log-sum-exp. On CUDA with flash-attn installed (bf16/fp16) flash-attn takes the CPU kernel's place
+(`longstraw.ops.dispatch`; not yet run on a GPU). Where no fused kernel applies (other devices or
+dtypes, V != D) the prefix partial is the same folded block against prefix chunks, one bmm per
+chunk.
 """
 
 from __future__ import annotations
@@ -23,22 +25,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from longstraw.ops import dispatch
 from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
 from longstraw.ops.prefix_attention import _prefix_partial
 
 # Prefix keys per chunk (default): [K, M, 4096] fp32 scores at most on the fallback path.
 _PREFIX_CHUNK = 4096
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _flash_applies(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> bool:
-    return (
-        _CPU_FLASH is not None
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k_prefix_TKD.dtype == q.dtype == v_prefix_TKV.dtype
-        and k_prefix_TKD.shape[-1] == v_prefix_TKV.shape[-1]
-    )
+    """A fused kernel (CPU flash, or flash-attn on CUDA) computes the prefix partial
+    (`longstraw.ops.dispatch`)."""
+    kernel = dispatch.attention_kernel(
+        q.device, q.dtype, k_prefix_TKD.shape[-1], v_prefix_TKV.shape[-1],
+        (k_prefix_TKD.dtype, v_prefix_TKV.dtype),
+    )  # fmt: skip
+    return kernel != dispatch.TORCH
 
 
 def _prefix_partial_folded(
@@ -48,9 +50,11 @@ def _prefix_partial_folded(
     `chunk_size` prefix keys at a time (one fused call per chunk, LSE-merged in order)."""
     if _flash_applies(q_KMD, k_prefix_TKD, v_prefix_TKV):
         out, lse = flash_prefix_partial(
-            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size
-        )
+            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size,
+            site="full_attention.decode",
+        )  # fmt: skip
         return out[0], lse[0]
+    dispatch.ran("full_attention.decode", dispatch.TORCH)
     dtype = torch.promote_types(q_KMD.dtype, torch.float32)
     return _prefix_partial(q_KMD.to(dtype) * scale, k_prefix_TKD, v_prefix_TKV, chunk_size)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from longstraw.ops import dispatch
+
 
 def _rows(x_BHRX: Tensor, num_kv_heads: int) -> Tensor:
     """[B, H, R, X] -> [B, K, G * R, X]: the query rows that read one kv head, as one matrix."""
@@ -37,48 +39,74 @@ def prefix_partial(
     """Attention of (pre-scaled) queries over all T prefix keys: (out [B,H,R,V], lse [B,H,R]).
 
     T = 0 gives out = 0 and lse = -inf (a partial with no keys; the merge ignores it).
-    PyTorch's fused CPU flash kernel computes it when it applies (CPU, keys in the queries'
-    dtype, V = D), one call per `chunk_size` keys merged in order (`flash_prefix_partial`), else
-    the chunked online softmax below. Either way the keys are read on the fixed grid of
+    A fused kernel computes it when one applies (`longstraw.ops.dispatch`: PyTorch's CPU flash
+    kernel on CPU, flash-attn on CUDA), one call per `chunk_size` keys merged in order
+    (`flash_prefix_partial`), else the chunked online softmax below. Either way the keys are read on the fixed grid of
     `chunk_size` rows, so a streamed prefix (`longstraw.engine.state_tiers.StreamedRows`) gives
     the resident result bit for bit. Every rank takes the same branch for the same inputs, so
     replicated ranks still agree bit for bit.
     """
     if k_TKD.shape[0] > 0 and _flash_applies(q_BHRD, k_TKD, v_TKV):
         return flash_prefix_partial(q_BHRD, k_TKD, v_TKV, 1.0, chunk_size)
+    if k_TKD.shape[0] > 0:  # an empty partial (a rank without positions) runs no kernel
+        dispatch.ran("full_attention.prefix", dispatch.TORCH)
     return _chunked_partial(q_BHRD, k_TKD, v_TKV, chunk_size)
 
 
 # The fused kernel returns the log-sum-exp beside the output: the chunked loop materialises a
 # [rows, 1024] score matrix per chunk and took 2.5x the time of the whole single-process
 # attention at P = 8K. Measured 4.7x faster than the chunked loop at T=8192, R=1024 (fp32, 2 cores).
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH = dispatch.CPU_FLASH
+
+
+def _kernel(q_BHRD: Tensor, k_TKD: Tensor, v_TKV: Tensor, *, gpu: bool = True) -> str:
+    return dispatch.attention_kernel(
+        q_BHRD.device, q_BHRD.dtype, k_TKD.shape[-1], v_TKV.shape[-1], (k_TKD.dtype, v_TKV.dtype),
+        gpu=gpu,
+    )  # fmt: skip
 
 
 def _flash_applies(q_BHRD: Tensor, k_TKD: Tensor, v_TKV: Tensor) -> bool:
-    return (
-        _CPU_FLASH is not None
-        and q_BHRD.device.type == "cpu"
-        and q_BHRD.dtype in (torch.float32, torch.bfloat16)
-        and k_TKD.dtype == q_BHRD.dtype == v_TKV.dtype
-        and k_TKD.shape[-1] == v_TKV.shape[-1]
-    )
+    """A fused kernel computes the prefix partial of these inputs (see `longstraw.ops.dispatch`)."""
+    return _kernel(q_BHRD, k_TKD, v_TKV) != dispatch.TORCH
 
 
 def flash_prefix_partial(
-    q_BXRD: Tensor, k_prefix_TKD, v_prefix_TKD, scale: float, chunk_size: int
+    q_BXRD: Tensor,
+    k_prefix_TKD,
+    v_prefix_TKD,
+    scale: float,
+    chunk_size: int,
+    *,
+    site: str = "full_attention.prefix",
 ) -> tuple[Tensor, Tensor]:
     """(out [B, X, R, V] fp32, lse [B, X, R] fp32) of queries over all T > 0 prefix keys: one
-    CPU flash call per `chunk_size` keys, merged first to last. The prefix is anything that
-    slices into [C, K, D] tensors (a tensor, or a streamed state's rows)."""
+    fused call per `chunk_size` keys, merged first to last — PyTorch's CPU flash kernel on CPU,
+    flash-attn on CUDA (`longstraw.ops.dispatch.attention_kernel`; the caller checked that one
+    applies). The prefix is anything that slices into [C, K, D] tensors (a tensor, or a streamed
+    state's rows). `site` names the caller in the kernel log."""
     batch = q_BXRD.shape[0]
+    kernel = dispatch.attention_kernel(
+        q_BXRD.device, q_BXRD.dtype, k_prefix_TKD.shape[-1], v_prefix_TKD.shape[-1],
+        (k_prefix_TKD.dtype, v_prefix_TKD.dtype),
+    )  # fmt: skip
+    on_gpu = kernel == dispatch.FLASH_ATTN
+    dispatch.ran(site, dispatch.FLASH_ATTN if on_gpu else dispatch.ATEN_CPU_FLASH)
     out = lse = None
     for start in range(0, k_prefix_TKD.shape[0], chunk_size):
-        k_p = k_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
-        v_p = v_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
-        k_p, v_p = k_p.expand(batch, -1, -1, -1), v_p.expand(batch, -1, -1, -1)
-        out_c, lse_c = _CPU_FLASH(q_BXRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
-        out_c, lse_c = out_c.float(), lse_c.float()
+        if on_gpu:
+            out_c, lse_c = dispatch.flash_attn_partial(
+                q_BXRD,
+                k_prefix_TKD[start : start + chunk_size],
+                v_prefix_TKD[start : start + chunk_size],
+                scale,
+            )
+        else:
+            k_p = k_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
+            v_p = v_prefix_TKD[start : start + chunk_size].permute(1, 0, 2).unsqueeze(0)
+            k_p, v_p = k_p.expand(batch, -1, -1, -1), v_p.expand(batch, -1, -1, -1)
+            out_c, lse_c = _CPU_FLASH(q_BXRD, k_p, v_p, 0.0, False, attn_mask=None, scale=scale)[:2]
+            out_c, lse_c = out_c.float(), lse_c.float()
         if out is None:
             out, lse = out_c, lse_c
         else:
@@ -186,9 +214,12 @@ def causal_partial(q_BHRD: Tensor, k_BKXD: Tensor, v_BKXV: Tensor) -> tuple[Tens
         raise ValueError(
             f"branch keys ({k_BKXD.shape[2]}) must include the {q_BHRD.shape[2]} queries' own keys"
         )
-    if k_BKXD.shape[2] == q_BHRD.shape[2] and _flash_applies(q_BHRD, k_BKXD, v_BKXV):
+    fused = _kernel(q_BHRD, k_BKXD, v_BKXV, gpu=False) == dispatch.ATEN_CPU_FLASH
+    if k_BKXD.shape[2] == q_BHRD.shape[2] and fused:
+        dispatch.ran("full_attention.branch", dispatch.ATEN_CPU_FLASH)
         out, lse = _CPU_FLASH(q_BHRD, k_BKXD, v_BKXV, 0.0, True, attn_mask=None, scale=1.0)[:2]
         return out, lse
+    dispatch.ran("full_attention.branch", dispatch.TORCH)
     scores_BHRX = _causal_scores(q_BHRD, _per_query_head(k_BKXD.to(dtype), num_heads))
     lse_BHR = torch.logsumexp(scores_BHRX, dim=-1)
     probs_BHRX = (scores_BHRX - lse_BHR[..., None]).exp_()

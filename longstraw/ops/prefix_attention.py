@@ -18,14 +18,19 @@ Internally every branch-sized tensor is laid out kv-head-major, [K, B, ...]: the
 rows of one kv head are one matrix, and each prefix chunk costs one bmm over K, with no copy of
 the prefix chunk per batch row or per head.
 
-The pure-torch path below is used on every device; flash_attn is not used because its backward
-cannot add the prefix dK/dV into an external buffer without materialising a prefix-sized tensor.
+The forward's kernels are chosen by `longstraw.ops.dispatch`: on CPU PyTorch's fused flash kernel
+computes both partials; on CUDA with flash-attn installed (bf16/fp16) flash-attn computes the
+prefix partial chunk by chunk and the branch partial is the pure-torch loop below; otherwise the
+pure-torch loop computes both. The backward is always the pure-torch one below: flash-attn's
+backward cannot add the prefix dK/dV into an external buffer without materialising a
+prefix-sized tensor. The flash-attn path has not run on a GPU yet.
 """
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from longstraw.ops import dispatch
 from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
 
 # --------------------------------------------------------------------------------------------
@@ -145,16 +150,17 @@ def _add_product(acc_KXY: Tensor | None, a_KXZ: Tensor, b_KZY: Tensor) -> Tensor
 # PyTorch's CPU flash-attention kernel returns the log-sum-exp beside the output, so both partials
 # (prefix: every key visible; branch: causal) come from fused C++ code and only the merge is ours.
 # Measured 4.7x faster than the chunked Python loop at T=8192, R=1024 (fp32, 2 cores).
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH = dispatch.CPU_FLASH
 
 
-def _flash_applicable(q_BHRD: Tensor, v_branch_BKRD: Tensor) -> bool:
-    return (
-        _CPU_FLASH is not None
-        and q_BHRD.device.type == "cpu"
-        and q_BHRD.dtype in (torch.float32, torch.bfloat16)
-        and q_BHRD.shape[-1] == v_branch_BKRD.shape[-1]
-    )
+def _forward_kernel(q_BHRD: Tensor, v_branch_BKRD: Tensor, prefixes: list) -> str:
+    """`aten-cpu-flash`: both partials fused; `flash-attn`: the prefix partials by flash-attn,
+    the branch by the loop; `torch`: both by the loop (`longstraw.ops.dispatch`)."""
+    kv_dtypes = tuple(t.dtype for k, v, _, _ in prefixes if k.shape[0] > 0 for t in (k, v))
+    return dispatch.attention_kernel(
+        q_BHRD.device, q_BHRD.dtype, q_BHRD.shape[-1], v_branch_BKRD.shape[-1],
+        () if q_BHRD.device.type == "cpu" else kv_dtypes,
+    )  # fmt: skip
 
 
 def _flash_forward(
@@ -174,6 +180,7 @@ def _flash_forward(
     chunk grid is what lets a streamed state (`longstraw.engine.state_tiers`) hand the kernel
     one chunk at a time and still get the resident result bitwise.
     """
+    dispatch.ran("full_attention.branch", dispatch.ATEN_CPU_FLASH)
     out_b, lse_b = _CPU_FLASH(
         q_BHRD, k_branch_BKRD, v_branch_BKRD, 0.0, True, attn_mask=None, scale=scale
     )[:2]
@@ -219,18 +226,41 @@ class _PrefixCachedAttention(torch.autograd.Function):
             (batch, num_kv_heads, num_groups, branch_len, value_dim), dtype=dtype
         )
         lse_BKGR = q_BHRD.new_empty((batch, num_kv_heads, num_groups, branch_len), dtype=dtype)
-        use_flash = _flash_applicable(q_BHRD, v_branch_BKRD)
+        kernel = _forward_kernel(q_BHRD, v_branch_BKRD, prefixes)
+        use_flash = kernel == dispatch.ATEN_CPU_FLASH
         if use_flash:
             out_BHRV32, lse_BHR = _flash_forward(
                 q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale, chunk_size
             )
             out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
             lse_BKGR = lse_BHR.view(lse_BKGR.shape)
+        else:
+            dispatch.ran("full_attention.branch", dispatch.TORCH)
+        # flash-attn: each prefix's partial over all queries at once ([B, H, R, V] fp32), merged
+        # into every query chunk's branch partial below in the loop's order.
+        gpu_partials = {}
+        if kernel == dispatch.FLASH_ATTN:
+            for i, (k_p_TKD, v_p_TKD, _, _) in enumerate(prefixes):
+                if k_p_TKD.shape[0] > 0:
+                    gpu_partials[i] = flash_prefix_partial(
+                        q_BHRD, k_p_TKD, v_p_TKD, scale, chunk_size
+                    )
+        elif not use_flash:
+            dispatch.ran("full_attention.prefix", dispatch.TORCH)
         for start, end in [] if use_flash else _query_chunks(branch_len, chunk_size):
             q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
             out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
-            for k_p_TKD, v_p_TKD, _, _ in reversed(prefixes):
+            for i in reversed(range(len(prefixes))):
+                k_p_TKD, v_p_TKD = prefixes[i][:2]
                 if k_p_TKD.shape[0] == 0:
+                    continue
+                if i in gpu_partials:
+                    out_p_BHRV, lse_p_BHR = gpu_partials[i]
+                    out_p_KBNV = _fold(out_p_BHRV, num_kv_heads, start, end, dtype)
+                    lse_p_KBN = _fold(lse_p_BHR[..., None], num_kv_heads, start, end, dtype)[..., 0]
+                    out_KBNV, lse_KBN = merge_partial_attention(
+                        out_p_KBNV, lse_p_KBN, out_KBNV, lse_KBN
+                    )
                     continue
                 # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
                 out_p_KMV, lse_p_KM = _prefix_partial(

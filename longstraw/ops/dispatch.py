@@ -1,0 +1,224 @@
+"""Which kernel runs at each call site: one decision per call, from what the inputs are and what
+is installed, and a once-per-site log line saying what ran.
+
+Call sites (`SITES`) and their kernels, first applicable wins:
+
+| site | kernel | when |
+|---|---|---|
+| `full_attention.prefix`, `full_attention.branch`, `full_attention.decode` | `aten-cpu-flash` | CPU, queries fp32/bf16, keys and values in the queries' dtype, V = D |
+| `full_attention.prefix`, `full_attention.decode` | `flash-attn` | CUDA, flash-attn imports, queries bf16/fp16, keys/values in that dtype, V = D <= 256, D % 8 = 0 |
+| every attention site | `torch` | otherwise: LongStraw's chunked online softmax |
+| `linear_attention.recompute` | `fla` | CUDA, fla imports, inputs bf16/fp16, and `LONGSTRAW_FLA_RECOMPUTE=1` |
+| `linear_attention.recompute` | `torch` | otherwise: `ops.gated_delta_rule.chunked_gated_delta_rule` |
+| `linear_attention.conv` | `causal-conv1d` | CUDA, causal-conv1d imports, kernel 2-4, activation none/silu, no autograd |
+| `linear_attention.conv` | `torch` | otherwise: K shifted multiply-adds (`ops.causal_conv`) |
+
+The CPU rules are the ones each call site applied before this module existed, so CPU results
+are bit for bit what they were. The GPU kernels have not run on a GPU yet: they are written
+against the packages' documented APIs (flash-attn's `flash_attn_func(..., return_attn_probs=True)`
+returning the log-sum-exp, fla's `chunk_gated_delta_rule(initial_state=, output_final_state=)`,
+causal-conv1d's `causal_conv1d_fn(initial_states=)`) and chosen only where the package imports
+and the tensors are on CUDA. fla's recomputation is also opt-in: it replaces the kernel the exact
+gradient's decay-parameter accuracy was measured with, and the float64 test that sets that bar
+(`tests/ops/test_gated_delta_rule_float64.py`) has no CUDA case for fla yet.
+
+The log: the first call of each (site, kernel) writes one INFO line on the `longstraw.kernels`
+logger; `kernels_ran()` says what each site ran since `reset_log()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+ATEN_CPU_FLASH = "aten-cpu-flash"
+FLASH_ATTN = "flash-attn"
+FLA = "fla"
+CAUSAL_CONV1D = "causal-conv1d"
+TORCH = "torch"
+
+SITES = (
+    "full_attention.prefix",
+    "full_attention.branch",
+    "full_attention.decode",
+    "linear_attention.recompute",
+    "linear_attention.conv",
+)
+"""Every call site that asks this module for a kernel."""
+
+# PyTorch's fused CPU flash attention returns the log-sum-exp beside the output (absent from
+# builds without it: then every CPU site takes the torch path).
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+# flash-attn 2 runs fp16/bf16 only, head dims up to 256 in multiples of 8, and one head dim for
+# keys and values.
+_FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_ATTN_MAX_HEAD_DIM = 256
+# fla's chunked gated delta rule refuses fp32 inputs in its releases up to now.
+_FLA_DTYPES = (torch.float16, torch.bfloat16)
+# causal-conv1d's CUDA kernel is compiled for widths 2, 3 and 4.
+_CAUSAL_CONV1D_WIDTHS = range(2, 5)
+FLA_RECOMPUTE_ENV = "LONGSTRAW_FLA_RECOMPUTE"
+
+logger = logging.getLogger("longstraw.kernels")
+_ran: dict[str, set[str]] = {}
+
+
+@functools.cache
+def installed(module: str) -> ModuleType | None:
+    """The imported package `module`, or None when it is absent or fails to import (a broken
+    GPU build must fall back, not stop the run). Cached: cleared by tests that fake a package."""
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
+
+
+def ran(site: str, kernel: str) -> str:
+    """Record that `site` ran `kernel` (one log line the first time); returns `kernel`."""
+    assert site in SITES, site
+    seen = _ran.setdefault(site, set())
+    if kernel not in seen:
+        seen.add(kernel)
+        logger.info("kernel for %s: %s", site, kernel)
+    return kernel
+
+
+def kernels_ran() -> dict[str, str]:
+    """{site: the kernels it ran since `reset_log()`, comma-separated}."""
+    return {site: ", ".join(sorted(kernels)) for site, kernels in _ran.items()}
+
+
+def reset_log() -> None:
+    _ran.clear()
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def attention_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    value_dim: int,
+    kv_dtypes: tuple[torch.dtype, ...] = (),
+    *,
+    gpu: bool = True,
+) -> str:
+    """The kernel for a partial attention of queries in `dtype` on `device` over keys of
+    `head_dim` and values of `value_dim` stored in `kv_dtypes` (empty: the queries' dtype).
+    `gpu=False` for a site that has no GPU kernel (the causal branch partial)."""
+    same_dtype = all(d == dtype for d in kv_dtypes)
+    if device.type == "cpu":
+        fused = (
+            CPU_FLASH is not None
+            and dtype in (torch.float32, torch.bfloat16)
+            and same_dtype
+            and head_dim == value_dim
+        )
+        return ATEN_CPU_FLASH if fused else TORCH
+    if (
+        gpu
+        and device.type == "cuda"
+        and dtype in _FLASH_ATTN_DTYPES
+        and same_dtype
+        and head_dim == value_dim
+        and head_dim <= _FLASH_ATTN_MAX_HEAD_DIM
+        and head_dim % 8 == 0
+        and installed("flash_attn") is not None
+    ):
+        return FLASH_ATTN
+    return TORCH
+
+
+def flash_attn_partial(
+    q_BXRD: torch.Tensor, k_CKD: torch.Tensor, v_CKD: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, X, R, D] fp32, lse [B, X, R] fp32) of B * R query rows of X heads over one
+    chunk of C keys of K kv heads (every key visible), by flash-attn.
+
+    The keys have no batch dim (the prompt state), so the B batch rows are folded into the query
+    sequence: one call over [1, B * R, X, D] queries and the chunk as a [1, C, K, D] view — no
+    copy of the chunk per row (a copy of the queries to flash-attn's layout only). GQA (X a
+    multiple of K) is flash-attn's own.
+    """
+    batch, heads, rows, dim = q_BXRD.shape
+    q_1NXD = q_BXRD.permute(0, 2, 1, 3).reshape(1, batch * rows, heads, dim)
+    out_1NXD, lse_1XN = installed("flash_attn").flash_attn_func(
+        q_1NXD,
+        k_CKD.unsqueeze(0),
+        v_CKD.unsqueeze(0),
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=False,
+        return_attn_probs=True,
+    )[:2]
+    out_BXRD = out_1NXD.view(batch, rows, heads, dim).permute(0, 2, 1, 3).float()
+    # Some flash-attn 2 releases pad the lse's sequence dim to a multiple of 128: keep N rows.
+    lse_BXR = lse_1XN[0, :, : batch * rows].reshape(heads, batch, rows).transpose(0, 1)
+    return out_BXRD, lse_BXR.float()
+
+
+# --- linear attention ----------------------------------------------------------------------------
+
+
+def delta_rule_recompute_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel the blockwise backward recomputes a gated-delta-rule block on."""
+    if (
+        device.type == "cuda"
+        and dtype in _FLA_DTYPES
+        and os.environ.get(FLA_RECOMPUTE_ENV) == "1"
+        and installed("fla") is not None
+    ):
+        return FLA
+    return TORCH
+
+
+def fla_chunk_gated_delta_rule():
+    """fla's `chunk_gated_delta_rule` (q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV];
+    `initial_state` [B, HV, K, V] fp32; returns (out, final state)): the signature of
+    `ops.gated_delta_rule.chunked_gated_delta_rule` minus `chunk_size`."""
+    return installed("fla").chunk_gated_delta_rule
+
+
+def causal_conv_kernel(
+    device: torch.device, kernel_size: int, activation: str | None, needs_grad: bool
+) -> str:
+    """The kernel for one shard's depthwise causal conv started from a conv state."""
+    if (
+        device.type == "cuda"
+        and kernel_size in _CAUSAL_CONV1D_WIDTHS
+        and activation in (None, "silu", "swish")
+        # causal-conv1d's gradient w.r.t. initial_states is not in every release: under
+        # autograd the torch path keeps exact mode's conv-state cotangent.
+        and not needs_grad
+        and installed("causal_conv1d") is not None
+    ):
+        return CAUSAL_CONV1D
+    return TORCH
+
+
+def causal_conv1d_partial(
+    x_BCT: torch.Tensor,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    initial_BCW: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor:
+    """y [B, C, T] of causal-conv1d's `causal_conv1d_fn` from the last W = K - 1 inputs before
+    the shard (`initial_BCW`, None: zeros). Its kernel reads initial states only in the
+    channel-last layout, so x and the state are laid out so (a shard-sized copy)."""
+
+    def channel_last(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    initial = None if initial_BCW is None else channel_last(initial_BCW.to(x_BCT.dtype))
+    y_BCT = installed("causal_conv1d").causal_conv1d_fn(
+        channel_last(x_BCT), weight_CK, bias_C, initial_states=initial, activation=activation
+    )
+    return y_BCT.to(x_BCT.dtype)
