@@ -9,6 +9,7 @@ from typing import Any
 from prefect import flow, get_run_logger, tags
 
 from longstraw.flows.grpo_step import grpo_step
+from longstraw.orchestration.completions import RunCompletions
 from longstraw.orchestration.curves import publish_run_curves
 from longstraw.orchestration.names import run_tags, step_tags
 from longstraw.orchestration.stages import open_run
@@ -88,8 +89,9 @@ def train(
                 policy.policy_version,
             )
         history = []
-        # Whatever this flow run did, its curves hold every recorded step of the run: the resumed
-        # parts, and the steps before a failure.
+        # Whatever this flow run did, its curves and completions hold every recorded step of
+        # the run: the resumed parts, and the steps before a failure.
+        completions = RunCompletions(config)
         try:
             with open_trackers(config, recorded) as trackers:
                 while policy.step < config.train.num_steps:
@@ -97,14 +99,14 @@ def train(
                         policy, metrics = grpo_step(config, policy)
                     history.append(metrics)
                     trackers.log_step(metrics)
-                    publish_run_curves(config)
+                    completions.publish(publish_run_curves(config))
         except BaseException:
-            # The failure is what the run reports; curves that cannot be published on the way
+            # The failure is what the run reports; artifacts that cannot be published on the way
             # out (the same full or read-only volume) must not replace it.
             with contextlib.suppress(Exception):
-                publish_run_curves(config)
+                completions.publish(publish_run_curves(config))
             raise
-        publish_run_curves(config)
+        completions.publish(publish_run_curves(config))
     return history
 
 

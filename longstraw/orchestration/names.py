@@ -8,7 +8,8 @@ bound parameters (Prefect passes them as `parameters`); nothing here imports tor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 DIGEST_CHARS = 12
@@ -127,6 +128,31 @@ def step_tags(run_id: str, step: int, policy_version: int) -> tuple[str, ...]:
 def step_flow_run_name(run_id: str, step: int) -> str:
     """The step subflow's name: `<run_id>/step-0007` (steps sort in order, runs apart)."""
     return f"{run_id}/step-{step:04d}"
+
+
+def rewards_summary(rewards: Sequence[float]) -> str:
+    """A group's [G] rewards in one phrase: mean, std (the sample std, as the step's
+    `reward_std`), min and max, 4 significant digits."""
+    std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    return (
+        f"rewards mean {statistics.fmean(rewards):.4g} std {std:.4g} "
+        f"min {min(rewards):.4g} max {max(rewards):.4g} over {len(rewards)} responses"
+    )
+
+
+def rollout_line(parameters: Parameters, rollout) -> str:
+    """What a rollout task run logs: its group's rewards (the group numbered as in its name)."""
+    return f"group {rollout.prompt.index}: {rewards_summary(rollout.rewards)}"
+
+
+def backward_line(parameters: Parameters, result) -> str:
+    """What a backward task run logs: its group's rewards, its share of the step's loss and the
+    completion tokens the loss counted."""
+    rollout = parameters["rollout"]
+    return (
+        f"group {rollout.prompt.index}: {rewards_summary(rollout.rewards)}; "
+        f"loss {result.stats.loss:.4g} over {sum(result.stats.num_tokens)} tokens"
+    )
 
 
 def round_significant(value: float, digits: int = 4) -> float:

@@ -1,4 +1,5 @@
-"""The step's stages as Prefect tasks: one thin task per stage function, nothing else.
+"""The step's stages as Prefect tasks: one thin task per stage function, nothing else (the
+rollout and backward tasks also log their group's rewards, `names.rollout_line`/`backward_line`).
 
 Each task calls its stage (`longstraw.training.stages`) with the same arguments — configs and
 refs — and returns its refs; Prefect adds retries, caching, names and the audit trail. A task
@@ -8,13 +9,21 @@ name from storage.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+from collections.abc import Callable
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
-from longstraw.orchestration.names import TASK_RUN_NAMES, task_tags
+from longstraw.orchestration.names import (
+    TASK_RUN_NAMES,
+    backward_line,
+    rollout_line,
+    task_tags,
+)
 from longstraw.orchestration.policies import (
     prefill_shard_cache_key,
     retry_on_transient,
@@ -29,6 +38,27 @@ _RETRY = {"retries": 1, "retry_delay_seconds": 1, "retry_condition_fn": retry_on
 def _task(name: str, **options):
     """A task named `name` whose runs are named and tagged for the UI (`orchestration.names`)."""
     return task(name=name, task_run_name=TASK_RUN_NAMES[name], tags=task_tags(name), **options)
+
+
+def logging_line(line: Callable[[dict, object], str]):
+    """The stage, logging `line(parameters, result)` to its task run's logger when it returns
+    (an INFO line: the UI's task-run logs; `longstraw train` keeps it off the terminal). A call
+    outside a task run (`.fn()`) logs nothing."""
+
+    def wrap(stage):
+        signature = inspect.signature(stage)
+
+        @functools.wraps(stage)
+        def run(*args, **kwargs):
+            result = stage(*args, **kwargs)
+            if TaskRunContext.get() is not None:
+                parameters = signature.bind(*args, **kwargs).arguments
+                get_run_logger().info(line(parameters, result))
+            return result
+
+        return run
+
+    return wrap
 
 
 def log_cache_key(task, task_run, state) -> None:
@@ -84,10 +114,12 @@ prefill_shard = _task(
     on_completion=[log_cache_key],
 )(stages.prefill_shard)
 prefill_prompt = _task("prefill_prompt", **_RETRY)(stages.prefill_prompt)
-rollout_group = _task("rollout_group", **_RETRY)(stages.rollout_group)
+rollout_group = _task("rollout_group", **_RETRY)(logging_line(rollout_line)(stages.rollout_group))
 score_group = _task("score_group", **_RETRY)(stages.score_group)
 compute_advantages = _task("compute_advantages")(stages.compute_advantages)
-backward_group = _task("backward_group", **_RETRY)(stages.backward_group)
+backward_group = _task("backward_group", **_RETRY)(
+    logging_line(backward_line)(stages.backward_group)
+)
 reduce_gradients = _task("reduce_gradients", **_RETRY)(stages.reduce_gradients)
 apply_update = _task("apply_update")(stages.apply_update)
 write_checkpoint = _task("write_checkpoint", **_RETRY)(stages.write_checkpoint)

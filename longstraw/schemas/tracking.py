@@ -25,8 +25,9 @@ class TrackingConfig(BaseModel):
     """The W&B project, MLflow experiment and Trackio project the run is logged under (the
     tracker's run is named after `run_id`)."""
     completions_per_step: int = Field(default=8, ge=0)
-    """Rows of the sampled-completions table logged per step (prompt digest, completion text,
-    reward, advantage; the first responses of the step's groups in order). 0: no table."""
+    """Rows of the sampled-completions table logged per step, to the trackers and to the
+    Prefect UI (`<run>-completions`): prompt digest, completion text, reward, advantage; the
+    first responses of the step's groups in order. 0: no table."""
     completion_chars: int = Field(default=200, ge=1)
     """Characters of each completion's text kept in the table (longer ones are cut, marked
     with `…`)."""

@@ -1,6 +1,7 @@
 """A step's table of sampled completions: prompt digest, completion text (cut), reward and
 advantage of the first responses of its groups, kept beside the step's rollout records
-(`steps/<step>/completions.json`) until the trackers log it."""
+(`steps/<step>/completions.json`) until the trackers and the Prefect UI
+(`orchestration.completions`) show it."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def completion_rows(
     records: list[RolloutRecord], advantages: list[list[float]], rows: int, chars: int
 ) -> list[list]:
     """The first `rows` responses of the step, group by group, one row of COLUMNS each
-    (`advantages` [groups][G], the step's plan)."""
+    (`advantages` [groups][G], the step's plan). A group is numbered by its prompt's run-wide
+    index, as the task runs of its prefill, rollout and backward name it."""
     out = []
-    for group, (record, group_advantages) in enumerate(zip(records, advantages, strict=True)):
+    for record, group_advantages in zip(records, advantages, strict=True):
         for sample, (text, reward, advantage) in enumerate(
             zip(record.texts, record.rewards, group_advantages, strict=True)
         ):
@@ -38,7 +40,7 @@ def completion_rows(
                 return out
             out.append(
                 [
-                    group,
+                    record.prompt.index,
                     record.prompt.prompt_id,
                     record.prompt.prompt_digest[:DIGEST_CHARS],
                     sample,
@@ -57,7 +59,8 @@ def completions_path(config: RunConfig, step: int) -> Path:
 def write_completions(
     config: RunConfig, step: int, records: list[RolloutRecord], advantages: list[list[float]]
 ) -> None:
-    """Keep step `step`'s table (`tracking.completions_per_step` rows) for the trackers."""
+    """Keep step `step`'s table (`tracking.completions_per_step` rows) for the trackers and the
+    Prefect UI."""
     rows = completion_rows(
         records,
         advantages,

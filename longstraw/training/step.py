@@ -153,7 +153,8 @@ def run_step(
     )
     if config.agent is not None:
         metrics = metrics.model_copy(update=agent_metrics(records))
-    if config.tracking.report_to and config.tracking.completions_per_step:
+    if config.tracking.completions_per_step:
+        # The step's completions table, for the trackers and the Prefect UI.
         write_completions(config, policy.step, records, plan.advantages)
     if _evaluation.is_eval_step(config, current.step):
         # The weights this step made, before its checkpoint: the row the checkpoint carries

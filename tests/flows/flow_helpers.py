@@ -174,3 +174,15 @@ def logs_of(flow_run_id) -> list:
         return client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=flow_run_ids(flow_run_id)))
         )
+
+
+def artifact_versions(key: str) -> list:
+    """Every version of the keyed artifact, oldest first (its history on the UI's artifact page)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        versions = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
+    return sorted(versions, key=lambda a: a.created)

@@ -13,6 +13,7 @@ import yaml
 from flow_helpers import (
     NUM_GENERATIONS,
     NUM_SHARDS,
+    artifact_versions,
     final_weights_digest,
     flow_run_ids,
     latest_artifacts,
@@ -36,7 +37,8 @@ def _train(config, *, resume: bool):
 
 
 def test_train_flow_matches_in_process_loop(prefect_harness, runs_root, in_process_digest):
-    config = tiny_run_config(runs_root, "flow-uninterrupted", num_steps=2)
+    # Completion texts cut to 3 characters in the UI's table (the trackers' default is 200).
+    config = _completion_chars(tiny_run_config(runs_root, "flow-uninterrupted", num_steps=2), 3)
     history, flow_run_id = _train(config, resume=False)
 
     assert [m.step for m in history] == [0, 1]
@@ -59,6 +61,84 @@ def test_train_flow_matches_in_process_loop(prefect_harness, runs_root, in_proce
         artifacts["flow-uninterrupted-reward-curve"].data
     )
     _assert_audit_trail(flow_run_id, history, run_id=config.run_id)
+    cut = _assert_completions_tables(config, history)
+    assert cut, "no completion longer than 3 characters: the cut was not exercised"
+    _assert_reward_lines(flow_run_id, config, history)
+
+
+def round4(value: float) -> float:
+    """What the UI's tables show: 4 significant digits."""
+    return float(f"{value:.4g}")
+
+
+def _completion_chars(config, chars: int):
+    tracking = config.tracking.model_copy(update={"completion_chars": chars})
+    return config.model_copy(update={"tracking": tracking})
+
+
+def _rollout_records(config, step: int) -> dict:
+    """Prompt index -> the step's rollout record, read from its file."""
+    from longstraw.schemas.refs import RolloutRecord
+    from longstraw.storage.artifacts import step_dir
+
+    paths = step_dir(config.storage, config.run_id, step).glob("rollout-g*.json")
+    records = [RolloutRecord.model_validate_json(p.read_text()) for p in paths]
+    return {r.prompt.index: r for r in records}
+
+
+def _assert_completions_tables(config, history) -> int:
+    """The UI's `<run>-completions`: one version per recorded step, oldest first, each holding
+    that step's responses as its rollout records and metrics.jsonl have them. Returns how many
+    texts were cut."""
+    chars = config.tracking.completion_chars
+    versions = artifact_versions(f"{config.run_id}-completions")
+    tables = [json.loads(v.data) for v in versions]
+    assert [sorted({row["step"] for row in t}) for t in tables] == [[m.step] for m in history]
+    cut = 0
+    for table, m in zip(tables, history, strict=True):
+        records = _rollout_records(config, m.step)
+        assert len(table) == min(config.tracking.completions_per_step, NUM_GENERATIONS)
+        for row in table:
+            record = records[row["group"]]
+            text = record.texts[row["sample"]]
+            expected = text if len(text) <= chars else text[: chars - 1] + "…"
+            cut += expected != text
+            assert row["completion"] == expected, (row, text)
+            assert row["prompt_digest"] == record.prompt.prompt_digest[:12]
+            assert row["reward"] == round4(record.rewards[row["sample"]]), (row, record.rewards)
+        # Every response of the step's one group is in the table: its numbers are the step's.
+        rewards = [r for record in records.values() for r in record.rewards]
+        assert round4(sum(rewards) / len(rewards)) == round4(m.reward_mean)
+        advantages = [row["advantage"] for row in table]
+        assert (min(advantages), max(advantages)) == (
+            round4(m.advantage_min),
+            round4(m.advantage_max),
+        )
+    return cut
+
+
+def _assert_reward_lines(flow_run_id, config, history) -> None:
+    """Each rollout and backward task run logged its group's rewards (and backward its loss
+    and tokens) to the Prefect API: the task run's logs in the UI."""
+    import statistics
+
+    runs = {r.id: r.name for r in task_runs_of(flow_run_id)}
+    lines: dict[str, list[str]] = {}
+    for log in logs_of(flow_run_id):
+        if log.task_run_id in runs:
+            lines.setdefault(runs[log.task_run_id], []).append(log.message)
+    for m in history:
+        ((index, record),) = _rollout_records(config, m.step).items()
+        rewards = record.rewards
+        summary = (
+            f"group {index}: rewards mean {statistics.fmean(rewards):.4g} "
+            f"std {statistics.stdev(rewards):.4g} min {min(rewards):.4g} "
+            f"max {max(rewards):.4g} over {len(rewards)} responses"
+        )
+        assert summary in lines[f"rollout group {index}"], (summary, lines)
+        # One group per step: its loss is the step's, its tokens the step's completion tokens.
+        backward = f"{summary}; loss {m.loss:.4g} over {m.completion_tokens} tokens"
+        assert backward in lines[f"backward group {index}"], (backward, lines)
 
 
 def _assert_audit_trail(flow_run_id, history, run_id: str) -> None:
@@ -183,6 +263,17 @@ def test_resumed_train_flow_matches_uninterrupted_and_reuses_committed_shards(
         (m.step, float(np.float32(m.reward_mean))) for m in (*first, *second)
     ]
     assert [e.step for e in events.Tensors("completions/text_summary")] == [0, 1]
+    # The UI's completions: one version per step over the three flow runs; the redone step 1
+    # drew the same responses and was not published again.
+    _assert_completions_tables(config, [*first, *second])
+
+
+def _recorded(config) -> list:
+    """The run's rows of metrics.jsonl."""
+    from longstraw.storage.checkpoints import run_dir
+    from longstraw.training.metrics import read_metrics
+
+    return read_metrics(run_dir(config.storage, config.run_id))
 
 
 def _tensorboard(config):
@@ -214,6 +305,9 @@ def test_curves_cover_a_failed_run_and_its_resume_which_the_run_tag_links(
     png = curves["flow-failed-reward-plot"].data
     assert png.startswith("data:image/png;base64,")
     assert base64.b64decode(png.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    # And its sampled completions: step 0's table, the latest version of the run's key.
+    table = json.loads(curves["flow-failed-completions"].data)
+    assert {row["step"] for row in table} == {0}
 
     monkeypatch.delenv("LONGSTRAW_TEST_REWARD_FAIL_AFTER_CALLS")
     resumed, resumed_id = _train(config, resume=True)
@@ -224,6 +318,9 @@ def test_curves_cover_a_failed_run_and_its_resume_which_the_run_tag_links(
     assert [row["step"] for row in rows] == [0, 1]
     assert rows[1]["reward_mean"] == float(f"{resumed[0].reward_mean:.4g}")
     assert [r["step"] for r in json.loads(curves["flow-failed-metrics"].data)] == [0, 1]
+    # The completions: step 0's version (the failed flow run's), then step 1's (the resume's).
+    _assert_completions_tables(config, _recorded(config))
+    assert {row["step"] for row in json.loads(curves["flow-failed-completions"].data)} == {1}
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:flow-failed"])),

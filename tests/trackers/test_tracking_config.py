@@ -92,9 +92,9 @@ def test_metric_names_are_the_documented_ones():
     assert documented == [*TRL_NAMES, *LONGSTRAW_NAMES, *EVAL_NAMES, SECONDS_PREFIX + "<stage>"]
 
 
-def _record(rewards: list[float], lengths: list[int], masks=None) -> RolloutRecord:
+def _record(rewards: list[float], lengths: list[int], masks=None, index=0) -> RolloutRecord:
     prompt = PromptRef(
-        index=0,
+        index=index,
         prompt_id="p",
         prompt_digest="ab" * 32,
         num_tokens=4,
@@ -164,12 +164,13 @@ def test_step_numbers_for_the_trackers():
 
 
 def test_completions_table_rows_and_cut():
-    records = [_record([0.0, 1.0], [3, 300]), _record([0.5, 0.5], [1, 1])]
+    # Two groups of a step whose prompts are the run's 6th and 7th: numbered run-wide.
+    records = [_record([0.0, 1.0], [3, 300], index=5), _record([0.5, 0.5], [1, 1], index=6)]
     rows = completion_rows(records, [[-1.0, 1.0], [0.0, 0.0]], rows=3, chars=10)
     assert rows == [
-        [0, "p", "abababababab", 0, "xxx", 0.0, -1.0],
-        [0, "p", "abababababab", 1, "x" * 9 + "…", 1.0, 1.0],
-        [1, "p", "abababababab", 0, "x", 0.5, 0.0],
+        [5, "p", "abababababab", 0, "xxx", 0.0, -1.0],
+        [5, "p", "abababababab", 1, "x" * 9 + "…", 1.0, 1.0],
+        [6, "p", "abababababab", 0, "x", 0.5, 0.0],
     ]
     assert cut("abc", 3) == "abc" and cut("abcd", 3) == "ab…"
     assert markdown_table(["a", "b"], [["x|y\nz", 0.123456]]).splitlines() == [
