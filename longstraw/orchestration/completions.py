@@ -53,13 +53,24 @@ def published_steps(key: str) -> set[int]:
                 offset=offset,
             )
             for artifact in page:
-                rows = (
-                    json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-                )
-                steps.update(row["step"] for row in rows or ())
+                steps.update(_steps_of(artifact.data))
             if len(page) < PAGE:
                 return steps
             offset += PAGE
+
+
+def _steps_of(data) -> set[int]:
+    """The steps a version's rows name; none for data that is not such a table (another
+    writer's artifact under the key hides no step)."""
+    try:
+        rows = json.loads(data) if isinstance(data, str) else data
+    except ValueError:
+        return set()
+    if not isinstance(rows, list):
+        return set()
+    return {
+        row["step"] for row in rows if isinstance(row, dict) and isinstance(row.get("step"), int)
+    }
 
 
 class RunCompletions:
