@@ -24,6 +24,7 @@ from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import EvalMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.training import held
+from longstraw.training.stages import grpo_sampling
 from longstraw.training.storage_faults import storage_faults
 from longstraw.training.streamed_state import budgeted_state
 
@@ -46,15 +47,7 @@ def eval_sampling_params(config: RunConfig, eos_token_id: int | None) -> Samplin
             top_k=1,
             stop_token_ids=stops,
         )
-    return SamplingParams(
-        num_samples=cfg.num_generations,
-        max_new_tokens=grpo.max_completion_length,
-        temperature=cfg.temperature,
-        top_p=grpo.top_p,
-        top_k=grpo.top_k,
-        min_p=grpo.min_p,
-        stop_token_ids=stops,
-    )
+    return grpo_sampling(grpo, eos_token_id, cfg.num_generations, cfg.temperature)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -36,6 +36,7 @@ from longstraw.engine.state_tiers import state_traffic
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.losses import loss_mask
 from longstraw.grpo.rewards import score_group as score_rewards
+from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.refs import (
     BackwardResult,
     GradPart,
@@ -147,16 +148,24 @@ def prefill_prompt(config: RunConfig, policy: PolicyRef, prompt: PromptRef) -> P
 
 
 def sampling_params(ctx) -> SamplingParams:
+    """How a group's responses are sampled: `grpo`'s count, temperature and filters."""
     cfg = ctx.config.grpo
-    eos = ctx.tokenizer.eos_token_id
+    return grpo_sampling(cfg, ctx.tokenizer.eos_token_id, cfg.num_generations, cfg.temperature)
+
+
+def grpo_sampling(
+    grpo: GRPOConfig, eos_token_id: int | None, num_samples: int, temperature: float
+) -> SamplingParams:
+    """`num_samples` responses at `temperature` with `grpo`'s length and top-p / top-k / min-p
+    filters, stopping at `eos_token_id` (None: at the length only)."""
     return SamplingParams(
-        num_samples=cfg.num_generations,
-        max_new_tokens=cfg.max_completion_length,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p,
-        stop_token_ids=() if eos is None else (int(eos),),
+        num_samples=num_samples,
+        max_new_tokens=grpo.max_completion_length,
+        temperature=temperature,
+        top_p=grpo.top_p,
+        top_k=grpo.top_k,
+        min_p=grpo.min_p,
+        stop_token_ids=() if eos_token_id is None else (int(eos_token_id),),
     )
 
 
