@@ -203,6 +203,8 @@ class StageGroup:
 
 _active: StageGroup | None = None
 _active_lock = threading.Lock()
+_after_stop: list[Callable[[], None]] = []
+"""Cleanups `when_ranks_stop` deferred until the ranks are stopped."""
 
 
 def active_group() -> StageGroup | None:
@@ -365,10 +367,27 @@ def start_stage_group(parallel) -> StageGroup | None:
         return group
 
 
+def when_ranks_stop(cleanup: Callable[[], None]) -> None:
+    """Call `cleanup` once the run's ranks are stopped (one process: now). For what a failed
+    stage of the writer leaves behind that another rank may still be writing into: removing it
+    at once would fail that rank's write with an error of its own."""
+    if _active is None:
+        cleanup()
+        return
+    with _active_lock:
+        _after_stop.append(cleanup)
+
+
 def stop_stage_group() -> None:
-    """Stop the run's ranks (driver); a no-op without a group."""
+    """Stop the run's ranks (driver), then run what `when_ranks_stop` deferred; a no-op without
+    a group."""
     global _active
     with _active_lock:
         group, _active = _active, None
+        cleanups = _after_stop[:]
+        _after_stop.clear()
     if group is not None:
         group.stop()
+    for cleanup in cleanups:
+        with contextlib.suppress(Exception):
+            cleanup()

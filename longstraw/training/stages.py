@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from longstraw.data.rewards import register_haystack_rewards
-from longstraw.distributed.stage_group import active_group, from_writer, is_writer, on_all_ranks
+from longstraw.distributed.stage_group import (
+    active_group,
+    from_writer,
+    is_writer,
+    on_all_ranks,
+    when_ranks_stop,
+)
 from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
@@ -600,9 +606,10 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
         dist.barrier(group=control)
     except BaseException:
         # A rank's failed write (a full disk on its node) fails this rank's collectives too: the
-        # temporary directory goes, as a single process's failed write removes its own.
+        # temporary directory goes, as a single process's failed write removes its own — once
+        # the ranks are stopped, since another rank may still be writing its rows into it.
         if is_writer():
-            shutil.rmtree(tmp, ignore_errors=True)
+            when_ranks_stop(lambda: shutil.rmtree(tmp, ignore_errors=True))
         raise
     if not is_writer():
         return None

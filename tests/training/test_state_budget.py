@@ -96,7 +96,9 @@ def test_rollout_scoring_and_backward_stream_under_the_budget_bitwise(
     else:
         assert sorted(prefills) == [False] * 2 + [True] * 4 and copies == [], calls
     (resident, resident_records), (budgeted, budgeted_records) = runs["resident"], runs["budgeted"]
-    assert {name.split("-")[0] for name in resident_records} == {"rollout", "scores"}
+    # The stages' records, and the step's completions table built from them.
+    names = {name.split("-")[0] for name in resident_records}
+    assert names == {"rollout", "scores", "completions.json"}
     assert budgeted_records == resident_records
     assert {k: v for k, v in algorithm_fields(budgeted).items() if k not in STATE_FIELDS} == {
         k: v for k, v in algorithm_fields(resident).items() if k not in STATE_FIELDS
