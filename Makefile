@@ -20,8 +20,10 @@ demo: $(STAMP)
 	$(VENV)/bin/longstraw train
 
 # The test suite (CPU); pytest exits 5 when no test ran, which fails this target too.
+# One worker per core (at most 4), each test file on one worker (its module fixtures, servers and
+# shared runs stay together); tests/conftest.py gives each worker its share of the cores' threads.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check longstraw tests bench

@@ -249,13 +249,13 @@ def run_training(
             return _run(config, resume=resume, use_prefect=use_prefect, debug=debug)
         except KeyboardInterrupt:
             signum = signals.received or signal.SIGINT
-            raise Interrupted(
-                f"interrupted by {signal.Signals(signum).name}: run {config.run_id!r} stopped; its "
-                f"latest committed checkpoint is {latest_checkpoint(config.storage, config.run_id)} "
-                f"— continue it with: {resume_command(config, config_path, run_id, root)}",
-                128 + signum,
-            ) from None
+            raise _interrupted(config, signum, config_path, run_id, root) from None
         except Exception as exc:
+            if signals.received is not None:
+                # The interrupt met code that failed while it unwound: Prefect's task engine,
+                # stopped between creating a task run and recording it, raises "Task run is not
+                # set" from its crash handler. The user asked the run to stop; it stopped.
+                raise _interrupted(config, signals.received, config_path, run_id, root) from exc
             # A fault outside the stages (the metrics, the plot, the curves) or wrapped on its way.
             fault = storage_fault(exc, config)
             if fault is None:
@@ -271,6 +271,16 @@ def run_training(
                 raise
             # One raised before (met again in the chain) keeps its own cause.
             raise fault from (fault.__cause__ if fault.__traceback__ is not None else exc)
+
+
+def _interrupted(config: RunConfig, signum: int, config_path, run_id, root) -> Interrupted:
+    """The one line a signalled run ends with: what stopped it and how to continue it."""
+    return Interrupted(
+        f"interrupted by {signal.Signals(signum).name}: run {config.run_id!r} stopped; its "
+        f"latest committed checkpoint is {latest_checkpoint(config.storage, config.run_id)} "
+        f"— continue it with: {resume_command(config, config_path, run_id, root)}",
+        128 + signum,
+    )
 
 
 def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = False) -> list:

@@ -14,8 +14,11 @@ import pytest
 import torch
 from hypothesis_profiles import register_and_load_profiles
 
-# Tests run on 2 cores; more threads only add contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests run on 2 cores; more threads only add contention. Under pytest-xdist the workers share
+# the cores: each gets its share of them (one thread each on 2 cores with `-n 2`), because
+# OpenMP threads that outnumber the cores spin-wait on each other and slow every test down.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

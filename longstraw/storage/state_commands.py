@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from longstraw.console import cli_console
+from longstraw.console import cli_console, print_table
 from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import StateIntegrityError, StateNotCommittedError
 from longstraw.storage.gc import (
@@ -65,7 +65,7 @@ def ls_cmd(
             attempts or "-",
             _size(d.nbytes),
         )
-    console.print(table)
+    print_table(console, table)
 
 
 @state_app.command("inspect")
@@ -95,7 +95,7 @@ def inspect_cmd(
         ("size", _size(manifest.layout.nbytes)),
     ]:
         head.add_row(k, str(v))
-    console.print(head)
+    print_table(console, head)
     arrays = Table(title="arrays")
     # Names never fold: they are what a user greps for and passes on.
     longest = max(len(a.name) for a in manifest.layout.arrays)
@@ -116,7 +116,7 @@ def inspect_cmd(
             str(num_chunks),
             _size(a.nbytes),
         )
-    console.print(arrays)
+    print_table(console, arrays)
 
 
 @state_app.command("verify")
@@ -175,4 +175,4 @@ def gc_cmd(
         table.add_column(col)
     for a in actions:
         table.add_row(a.uri, a.reason, _size(a.nbytes))
-    console.print(table, soft_wrap=True)
+    print_table(console, table)

@@ -157,7 +157,7 @@ def test_state_gc_removes_half_written_checkpoints(tmp_path):
     old = leftover.stat().st_mtime - 7200
     os.utime(leftover / "optimizer.safetensors", (old, old))
 
-    runner = CliRunner(env={"COLUMNS": "400"})  # the table's rows untruncated
+    runner = CliRunner()  # not a terminal: the table is as wide as its rows (paths whole)
     listed = runner.invoke(state_app, ["gc", str(tmp_path), "--dry-run", "--locks-dir", "x"])
     assert listed.exit_code == 0, listed.output
     assert "v000003.tmp-0badc0de" in listed.output and leftover.exists()

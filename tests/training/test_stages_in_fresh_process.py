@@ -9,11 +9,13 @@ the files the stage writes must be byte-identical to the ones this process wrote
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from longstraw.schemas.refs import BackwardResult, GradRef, PolicyRef, RolloutRef, ScoresRef
 from longstraw.schemas.results import AdvantagePlan
@@ -141,11 +143,15 @@ def test_every_stage_rerun_in_a_fresh_process_gives_the_same_refs_and_bytes(step
 
 def _run_fresh(payload: list, path) -> list[str]:
     path.write_text(json.dumps(payload))
+    # The fresh process computes with this one's thread count: fp32 reductions split over
+    # another number of threads round differently, and the files are compared byte for byte.
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run(
         [sys.executable, "-m", "longstraw.training.run_stage", str(path)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout.strip().splitlines()

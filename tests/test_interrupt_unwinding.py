@@ -1,0 +1,77 @@
+"""A signal whose unwinding meets another error still ends in the interrupt's one line.
+
+Prefect's task engine, stopped by the signal between creating a task run and recording it,
+raises `ValueError("Task run is not set")` from its crash handler instead of letting the
+KeyboardInterrupt through; the run must still stop with 128 + signum and the resume line
+(seen under load: rc 1 and a Prefect traceback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from longstraw import train_entry
+from longstraw.train_entry import Interrupted, run_training
+
+
+def _signal_then_fail(unwinding_error: Exception):
+    def run(config, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises KeyboardInterrupt here
+        except KeyboardInterrupt:
+            raise unwinding_error from None
+        raise AssertionError("the signal handler did not interrupt")
+
+    return run
+
+
+@pytest.fixture
+def no_run_start(monkeypatch, tmp_path):
+    from longstraw.training import run_lease, run_start
+
+    monkeypatch.chdir(tmp_path)
+    # What a real interrupt arms besides: the watchdog that exits the process after 10 s and the
+    # exit hook that kills its children. Not in the test process.
+    monkeypatch.setattr(train_entry._Signals, "_force_exit", lambda self: None)
+    monkeypatch.setattr(train_entry.atexit, "register", lambda hook: hook)
+    monkeypatch.setattr(run_start, "preflight", lambda config, resume: None)
+    monkeypatch.setattr(run_lease, "run_lease", lambda config: _nothing())
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_an_error_raised_while_the_interrupt_unwinds_ends_as_the_interrupt(
+    monkeypatch, tmp_path, no_run_start
+):
+    monkeypatch.setattr(train_entry, "_run", _signal_then_fail(ValueError("Task run is not set")))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as stopped:
+        run_training(
+            config_path=None, resume=False, steps=1, run_id="unwind", root=str(tmp_path / "root")
+        )
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert str(stopped.value).startswith("interrupted by SIGTERM: run 'unwind' stopped")
+    assert "--run-id unwind" in str(stopped.value) and str(stopped.value).endswith("--resume")
+    assert isinstance(stopped.value.__cause__, ValueError)  # kept for --debug, not printed
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_error_without_a_signal_is_not_taken_for_an_interrupt(
+    monkeypatch, tmp_path, no_run_start
+):
+    def fails(config, **kwargs):
+        raise ValueError("Task run is not set")
+
+    monkeypatch.setattr(train_entry, "_run", fails)
+    with pytest.raises(ValueError, match="Task run is not set"):
+        run_training(
+            config_path=None, resume=False, steps=1, run_id="plain", root=str(tmp_path / "root")
+        )
