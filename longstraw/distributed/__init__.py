@@ -4,7 +4,7 @@ Families: K/V (full attention) and Gated DeltaNet layers (`cross_rank_attention`
 latents with a global DSA top-k (`cross_rank_mla`).
 
 See docs/scaling.md. Entry points: `run_on_ranks` (launch), `sharded_prefill`,
-`persisted_sharded_prefill` (one writer per chunk, resume), `wavefront_prefill` (the same
+`wavefront_prefill` (the same
 state on a layer wavefront: all ranks compute at once), `sharded_sample_responses`
 (rollout over the sharded prefix), `sharded_branch_logprobs`,
 `sharded_group_gradients`, `all_reduce_rank_gradients`,
@@ -15,10 +15,6 @@ state on a layer wavefront: all ranks compute at once), `sharded_sample_response
 
 from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
-from longstraw.distributed.persisted_sharded_prefill import (
-    ShardedPrefillOutcome,
-    persisted_sharded_prefill,
-)
 from longstraw.distributed.sharded_group import (
     all_reduce_rank_gradients,
     sharded_group_gradient_slices,
@@ -37,11 +33,9 @@ __all__ = [
     "GradSlices",
     "RankFailedError",
     "ReplicaDivergenceError",
-    "ShardedPrefillOutcome",
     "SliceLayout",
     "all_reduce_rank_gradients",
     "gather_state",
-    "persisted_sharded_prefill",
     "run_on_ranks",
     "scatter_state",
     "sharded_branch_logprobs",

@@ -138,6 +138,14 @@ class CrossRankExchange(PrefixExchange):
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         return values.tolist()
 
+    def summed(self, counts: list[int]) -> list[int]:
+        values = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(values, group=self.group)
+        return values.tolist()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def placement(self) -> Placement:
         return Placement(dist.get_rank(self.group), dist.get_world_size(self.group))
 

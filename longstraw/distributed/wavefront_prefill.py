@@ -46,7 +46,7 @@ top-k candidates, then ("mla", absorbed queries + selection) -> their partials â
 otherwise (dense regime, `shared` layers); the candidates and partials are completed and merged
 in `sharded_prefill`'s order with `cross_rank_mla`'s own functions. Resume works as in
 `sharded_prefill`; persistence records shards only when the whole wavefront is done
-(`persisted_sharded_prefill(..., schedule="wavefront")`). See docs/scaling.md, "Schedule".
+(`training.persisted_prefill.PrefillSession(..., schedule="wavefront")` on the ranks). See docs/scaling.md, "Schedule".
 """
 
 from __future__ import annotations

@@ -123,6 +123,14 @@ class PrefixExchange:
         the state: here, this one's."""
         return list(figures)
 
+    def summed(self, counts: list[int]) -> list[int]:
+        """Per count (shards computed, shards read back), its sum over the processes that hold
+        the state: here, this one's."""
+        return list(counts)
+
+    def barrier(self) -> None:
+        """Wait until every process that holds the state is here (one process: it is)."""
+
     def placement(self):
         """Which part of a prompt state this process holds (`engine.state.Placement`)."""
         from longstraw.engine.state import WHOLE

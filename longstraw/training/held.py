@@ -96,15 +96,13 @@ def check_prompt(ctx: RunContext, prompt: PromptRef) -> PromptExample:
 
 
 def new_session(config: RunConfig, model: PreTrainedModel, prompt_ids, **options):
-    """A prefill session for this process's placement: of the whole state here
-    (`PrefillSession`), or of this rank's part of it, which every rank of the stage group holds
-    and calls together (`ShardedPrefillSession`). Both give `ensure_shard`, `computed_through`,
-    `finish`, `totals` and `discard`; `options` are their common arguments."""
-    if active_group() is None:
-        return PrefillSession(model, prompt_ids, **options)
-    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
-
-    return ShardedPrefillSession(model, prompt_ids, schedule=config.parallel.schedule, **options)
+    """A prefill session of this process's part of the prompt state (`PrefillSession` over
+    `prefix_exchange()`: the whole state here, or this rank's part, which every rank of the
+    stage group holds and calls together); `options` are the session's."""
+    return PrefillSession(
+        model, prompt_ids, exchange=prefix_exchange(), schedule=config.parallel.schedule,
+        **options,
+    )  # fmt: skip
 
 
 def prefill_session(ctx: RunContext, example: PromptExample):

@@ -186,13 +186,14 @@ def persisted_prefill_dying_with(
     dying_rank: int,
     dying_after_shard: int,
 ):
-    """`persisted_sharded_prefill(schedule=...)`; `dying_rank` exits hard once
+    """`persisted_prefill(schedule=...)` on the ranks; `dying_rank` exits hard once
     `dying_after_shard` is recorded (synchronous writers), or with -1 inside decoder layer 1 of
     its first computed shard (mid-wavefront, before anything is recorded)."""
     from _workers import _persisted_setup
 
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.models.adapters import decoder_of
+    from longstraw.training.persisted_prefill import persisted_prefill
 
     model, prompt, _, _, storage, key = _persisted_setup(
         checkpoint, root, prompt_len, "synchronous"
@@ -204,8 +205,9 @@ def persisted_prefill_dying_with(
         if rank == dying_rank and shard == dying_after_shard:
             os._exit(17)
 
-    persisted_sharded_prefill(
-        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, on_shard=on_shard,
+    persisted_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+        exchange=CrossRankExchange(), on_shard=on_shard,
         schedule=schedule,
     )  # fmt: skip
     return "finished"
@@ -224,18 +226,25 @@ def resume_persisted_prefill_with(
     `sharded_prefill`: counts, state, committed state and exact-mode gradients."""
     from _workers import _persisted_setup
 
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_state import gather_state
     from longstraw.schemas.grpo import GRPOConfig
     from longstraw.storage import open_committed_state
+    from longstraw.training.persisted_prefill import persisted_prefill
 
     model, prompt, responses, advantages, storage, key = _persisted_setup(
         checkpoint, root, prompt_len, "background"
     )
-    resumed, outcome = persisted_sharded_prefill(
-        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, schedule=schedule
+    resumed, outcome = persisted_prefill(
+        model,
+        prompt,
+        shard_tokens=shard_tokens,
+        storage=storage,
+        key=key,
+        exchange=CrossRankExchange(),
+        schedule=schedule,
     )
     uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
     whole, want = gather_state(resumed).tensors(), gather_state(uninterrupted).tensors()
@@ -247,7 +256,7 @@ def resume_persisted_prefill_with(
     ref, _ = sharded_group_gradients(model, uninterrupted, responses, advantages, config)
     return {
         "resumed_at": outcome.resumed_at,
-        "counts": (outcome.shards_computed, outcome.shards_restored, outcome.boundary_reads),
+        "counts": (outcome.shards_computed, outcome.shards_reused, outcome.boundary_reads),
         "ref": outcome.ref.manifest_sha256,
         "state_bitwise": all(torch.equal(whole[n], t) for n, t in want.items()),
         "committed_bitwise": set(committed) == set(want)

@@ -238,7 +238,8 @@ def persisted_prefill_dying(
     dying_after_shard: int,
 ):
     """Persisted sharded prefill; `dying_rank` exits hard once `dying_after_shard` is recorded."""
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.training.persisted_prefill import persisted_prefill
 
     model, prompt, _, _, storage, key = _persisted_setup(
         checkpoint, root, prompt_len, "synchronous"
@@ -248,8 +249,14 @@ def persisted_prefill_dying(
         if rank == dying_rank and shard == dying_after_shard:
             os._exit(17)
 
-    persisted_sharded_prefill(
-        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key, on_shard=on_shard
+    persisted_prefill(
+        model,
+        prompt,
+        shard_tokens=shard_tokens,
+        storage=storage,
+        key=key,
+        exchange=CrossRankExchange(),
+        on_shard=on_shard,
     )
     return "finished"
 
@@ -258,25 +265,27 @@ def resume_persisted_prefill(
     rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
 ):
     """Rerun after a crash: resume from the recorded shards; compare with an uninterrupted run."""
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.sharded_group import sharded_group_gradients
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_state import gather_state
     from longstraw.schemas.grpo import GRPOConfig
     from longstraw.storage import open_committed_state
+    from longstraw.training.persisted_prefill import persisted_prefill
 
     # The rerun writes in the background (the crashed run wrote synchronously): same layout.
     model, prompt, responses, advantages, storage, key = _persisted_setup(
         checkpoint, root, prompt_len, "background"
     )
-    resumed, outcome = persisted_sharded_prefill(
-        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key
-    )
+    resumed, outcome = persisted_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+        exchange=CrossRankExchange(),
+    )  # fmt: skip
     uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
     out = {
         "resumed_at": outcome.resumed_at,
         "computed": outcome.shards_computed,
-        "restored": outcome.shards_restored,
+        "restored": outcome.shards_reused,
         "boundary_reads": outcome.boundary_reads,
         "num_shards": resumed.num_shards,
         "ref": None if outcome.ref is None else outcome.ref.manifest_sha256,
@@ -295,9 +304,10 @@ def resume_persisted_prefill(
     out["grads_bitwise"] = all(torch.equal(got.grads[n], g) for n, g in ref.grads.items())
     out["grad_errors"] = _grad_errors(got, ref)
     # A third run finds the state committed: everything restored, nothing computed.
-    again, outcome = persisted_sharded_prefill(
-        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key
-    )
+    again, outcome = persisted_prefill(
+        model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
+        exchange=CrossRankExchange(),
+    )  # fmt: skip
     out["again_computed"] = outcome.shards_computed
     out["again_bitwise"] = all(
         torch.equal(gather_state(again).tensors()[n], t) for n, t in want.items()
@@ -308,11 +318,11 @@ def resume_persisted_prefill(
 def budgeted_sharded_sessions(
     rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
 ):
-    """Per-shard `ShardedPrefillSession` calls with each rank's slice tiered from the start
+    """Per-shard `PrefillSession` calls with each rank's slice tiered from the start
     (budget 0, disk, a 16-position grid), both schedules, against `sharded_prefill`."""
     import tempfile
 
-    from longstraw.distributed.persisted_sharded_prefill import ShardedPrefillSession
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.engine import attention
     from longstraw.engine.layer_kinds import named_arrays
@@ -320,6 +330,7 @@ def budgeted_sharded_sessions(
     from longstraw.engine.state_tiers import StateBudget
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.storage import StateKey, StorageConfig
+    from longstraw.training.persisted_prefill import PrefillSession
 
     attention.PREFIX_CHUNK_TOKENS = 16
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
@@ -331,9 +342,10 @@ def budgeted_sharded_sessions(
         storage = StorageConfig(root_uri=f"{root}/{schedule}", persist_mode="synchronous")
         key = StateKey.policy("budget", 0, "w" * 64, "d" * 64)
         with tempfile.TemporaryDirectory() as scratch:
-            session = ShardedPrefillSession(
+            session = PrefillSession(
                 model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
                 schedule=schedule, budget=StateBudget(0, "disk", scratch),
+                exchange=CrossRankExchange(),
             )  # fmt: skip
             for shard in range(session.num_shards):
                 session.ensure_shard(shard)

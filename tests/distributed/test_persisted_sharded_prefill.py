@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 from _workers import budgeted_sharded_sessions, persisted_prefill_dying, resume_persisted_prefill
 
-import longstraw.distributed.persisted_sharded_prefill
 import longstraw.distributed.sharded_group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks

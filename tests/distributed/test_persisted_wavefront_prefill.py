@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 from _wavefront_workers import persisted_prefill_dying_with, resume_persisted_prefill_with
 
-import longstraw.distributed.persisted_sharded_prefill
 import longstraw.distributed.sharded_group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
@@ -82,11 +81,11 @@ def test_wavefront_persisted_prefill_resumes_and_matches_uninterrupted_run(
 
 
 def test_unknown_schedule_is_refused(load_tiny, tmp_path):
-    from longstraw.distributed.persisted_sharded_prefill import persisted_sharded_prefill
     from longstraw.schemas.storage import StateKey, StorageConfig
+    from longstraw.training.persisted_prefill import persisted_prefill
 
     with pytest.raises(ValueError, match="schedule must be one of"):
-        persisted_sharded_prefill(
+        persisted_prefill(
             load_tiny("llama"), list(range(20)), shard_tokens=5,
             storage=StorageConfig(root_uri=str(tmp_path)), key=StateKey.policy("s", 0, "w", "p"),
             schedule="diagonal",
