@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_chunk_tokens
 from longstraw.engine.layer_kinds import TOKEN_ARRAYS, array_layer_indices
-from longstraw.engine.state import PrefixState
+from longstraw.engine.state import WHOLE, Placement, PrefixState
 from longstraw.models.adapters import decoder_of, state_spec
 from longstraw.schemas.results import StateTraffic
 
@@ -617,16 +617,21 @@ def tier_state(
 
 
 def allocate_tiered_state(
-    model: PreTrainedModel, prompt_ids: torch.Tensor, shard_tokens: int, budget: StateBudget
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    shard_tokens: int,
+    budget: StateBudget,
+    placement: Placement = WHOLE,
 ) -> TieredState:
-    """An empty prompt state whose per-token arrays live in `budget`'s lower tier from the
-    start, so that a prefill writes each shard's rows straight there (`TieredArray.__setitem__`)
-    and the whole state is never resident; the linear-attention checkpoints are allocated on
-    the device as usual."""
+    """An empty prompt state (this process's part of it at `placement`) whose per-token arrays
+    live in `budget`'s lower tier from the start, so that a prefill writes each shard's rows
+    straight there (`TieredArray.__setitem__`) and the state is never resident; the
+    linear-attention checkpoints are allocated on the device as usual."""
     shapes = PrefixState.allocate(
         state_spec(model),
         prompt_ids=prompt_ids,
         shard_tokens=shard_tokens,
+        placement=placement,
         dtype=next(model.parameters()).dtype,
         device="meta",
     )

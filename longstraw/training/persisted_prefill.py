@@ -42,7 +42,7 @@ from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.prefill import allocate_prompt_state, prefill, prompt_tensor
 from longstraw.engine.state import WHOLE, PrefixState
 from longstraw.engine.state_layout import restore_shard, shard_payload, state_layout
-from longstraw.engine.state_tiers import StateBudget, tiered_like
+from longstraw.engine.state_tiers import StateBudget, allocate_tiered_state
 from longstraw.models.adapters import state_spec
 from longstraw.schemas.storage import PrefixStateRef, StateKey, StorageConfig
 from longstraw.storage import (
@@ -157,10 +157,9 @@ class PrefillSession:
                 model, self.ids, shard_tokens=shard_tokens, exchange=exchange
             )
         else:
-            shapes = allocate_prompt_state(
-                model, self.ids, shard_tokens=shard_tokens, exchange=exchange, device="meta"
+            self.tiered = allocate_tiered_state(
+                model, self.ids, shard_tokens, budget, placement=exchange.placement()
             )
-            self.tiered = tiered_like(model, shapes, budget)
             self.state = self.tiered.state
         if persist:
             self.writer = open_persisting_writer(
@@ -240,6 +239,16 @@ class PrefillSession:
     def num_shards(self) -> int:
         return self.state.num_shards
 
+    @property
+    def shards_computed(self) -> int:
+        """Shards this process computed so far."""
+        return len(self.computed)
+
+    @property
+    def shards_reused(self) -> int:
+        """Shards this process read back from storage so far."""
+        return len(self.reused)
+
     def ensure_shard(self, shard: int) -> None:
         """Make shards 0..`shard` present (on ranks: in every rank's part; the wavefront
         schedule computes every shard at its first call)."""
@@ -280,9 +289,14 @@ class PrefillSession:
                     self.model, self.ids, group=self.exchange.group, **options
                 )
             else:
-                self.state = prefill(
-                    self.model, self.ids, end_shard=end, exchange=self.exchange, **options
-                )
+                # One shard a call, as a task per shard makes them; with none to compute, one
+                # call still replays the hand-overs and shares the final state.
+                for start in range(self.filled, end) or [end]:
+                    options["start_shard"] = start
+                    self.state = prefill(
+                        self.model, self.ids, end_shard=min(start + 1, end),
+                        exchange=self.exchange, **options,
+                    )  # fmt: skip
         self.filled = end
         self.complete = end == self.num_shards
 
@@ -298,7 +312,7 @@ class PrefillSession:
                 self.ref = self._commit()
             self.close()
         self.outcome = PrefillOutcome(
-            self.ref, len(self.computed), len(self.reused), self.reused_committed,
+            self.ref, self.shards_computed, self.shards_reused, self.reused_committed,
             self.resume_at, int(self.needs_boundary),
         )  # fmt: skip
         return self.state, self.outcome

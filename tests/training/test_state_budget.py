@@ -36,8 +36,8 @@ def tier_calls(monkeypatch):
         calls.append(("copy", kwargs["exact"], tiered.store))
         return tiered
 
-    def tiered_from_prefill(model, prompt_ids, shard_tokens, budget):
-        tiered = allocate(model, prompt_ids, shard_tokens, budget)
+    def tiered_from_prefill(model, prompt_ids, shard_tokens, budget, **placement):
+        tiered = allocate(model, prompt_ids, shard_tokens, budget, **placement)
         calls.append(("prefill", budget.exact, tiered.store))
         return tiered
 
