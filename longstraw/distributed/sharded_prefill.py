@@ -26,7 +26,7 @@ from longstraw.distributed.cross_rank_attention import (
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
 from longstraw.distributed.exchange import CrossRankExchange, owner_kind_kwargs
 from longstraw.engine.cache import StateCache
-from longstraw.engine.prefill import allocate_prompt_state, prefill, prefill_cache
+from longstraw.engine.prefill import prefill, prefill_cache
 from longstraw.engine.state import PrefixState
 
 
@@ -119,18 +119,3 @@ def sharded_prefill(
         model, prompt_ids, shard_tokens=shard_tokens, exchange=CrossRankExchange(group), **options
     )
 
-
-def allocate_sharded_state(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor | Sequence[int],
-    *,
-    shard_tokens: int,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-) -> PrefixState:
-    """This rank's empty part of the prompt state (what `sharded_prefill` fills), on `device`
-    (None: the model's; "meta": shapes only, for a tiered slice)."""
-    return allocate_prompt_state(
-        model, prompt_ids, shard_tokens=shard_tokens, exchange=CrossRankExchange(group),
-        device=device,
-    )  # fmt: skip

@@ -577,11 +577,6 @@ _BY_STORAGE_NAME = {a.storage_name: a for a in STATE_ARRAYS}
 _KIND_OF = {a.field: kind for kind in LAYER_KINDS for a in kind.arrays}
 
 
-def state_array(field: str) -> StateArray:
-    """The declaration of the state array `field` ("keys", "conv", ...)."""
-    return _BY_FIELD[field]
-
-
 def state_array_by_storage_name(name: str) -> StateArray:
     """The declaration of the state array stored at `name` ("full_attention/k", ...)."""
     return _BY_STORAGE_NAME[name]
