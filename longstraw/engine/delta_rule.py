@@ -9,8 +9,8 @@ the log-decays and loses up to 4 digits on them against the fp32 recurrence (doc
 "Precision against float64").
 Inside `delta_rule_backward_recomputed`, the name is bound to
 `gated_delta_rule_recomputed_in_blocks`: the same forward under no_grad, and a backward that
-recomputes block by block on LongStraw's chunked kernel, whose decays are exp of within-chunk
-segment sums (`longstraw.ops.gated_delta_rule`). Without grad the original is called as it is.
+recomputes block by block on LongStraw's chunked kernel, in float64, whose decays are exp of
+within-chunk segment sums (`longstraw.ops.gated_delta_rule`). Without grad the original is called as it is.
 """
 
 from __future__ import annotations

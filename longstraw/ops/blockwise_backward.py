@@ -13,19 +13,21 @@ it is built and freed one block of tokens at a time:
   backpropagates `block_tokens` rows at a time.
 - `gated_delta_rule_recomputed_in_blocks(...)`: for the gated delta rule, whose tokens are tied
   by the recurrent state, backward first replays the recurrence without autograd, in float64,
-  to get the state entering each block, then walks the blocks last to first: recompute one block from its
-  entering state (a leaf), backpropagate its output cotangent and the cotangent of its end state,
-  hand the entering state's cotangent to the previous block.
+  to get the state entering each block, then walks the blocks last to first: recompute one block
+  from its entering state (a leaf) in float64, backpropagate its output cotangent and the
+  cotangent of its end state there, hand the entering state's cotangent to the previous block.
 
 The delta rule's wrapper is also what branch replay backpropagates through
-(`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel keeps the decay
-gradients (A_log, dt_bias) to fp32 accuracy, which autograd through transformers' kernel does not.
+(`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel, in float64,
+keeps the decay gradients (A_log, dt_bias) as accurate as the fp32 inputs and outputs allow, which
+autograd through transformers' kernel (or any fp32 backward of the chunked form) does not.
 
 Peak memory of the backward is one block's graph plus the saved inputs, whatever T is. The cost
-is one more forward of the function. The recomputation in backward may round differently from the
-forward (it runs on blocks, and the gated delta rule on LongStraw's chunked kernel); the
-gradients are those of the same function to fp32 rounding, which the exact-gradient tests check
-against full-sequence autograd.
+is one more forward of the function (for the gated delta rule a float64 one, and a float64 graph
+of one block). The recomputation in backward may round differently from the forward (it runs on
+blocks, and the gated delta rule on LongStraw's chunked kernel in float64); the gradients are
+those of the same function to fp32 rounding, which the exact-gradient tests check against
+full-sequence autograd.
 
 Legend: T tokens, B batch, H heads, D dims; parameter gradients are summed over blocks in fp32.
 """
@@ -37,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from longstraw.ops import dispatch
-from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule, final_state_in_float64
+from longstraw.ops.gated_delta_rule import chunked_in_float64, final_state_in_float64
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
 # 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
@@ -132,64 +134,74 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:8]
         blocks = _blocks(query.shape[1], ctx.block_tokens)
 
-        # LongStraw's chunked kernel (fla's on CUDA when opted in: `longstraw.ops.dispatch`).
+        # LongStraw's chunked kernel, in float64 (fla's, in the inputs' dtype, on CUDA when
+        # opted in: `longstraw.ops.dispatch`).
         kernel = dispatch.ran(
             "linear_attention.recompute",
             dispatch.delta_rule_recompute_kernel(query.device, query.dtype),
         )
-        recompute = (
-            dispatch.fla_chunk_gated_delta_rule()
-            if kernel == dispatch.FLA
-            else chunked_gated_delta_rule
-        )
+        in_float64 = kernel != dispatch.FLA
+        if in_float64:
+            run_block = chunked_in_float64
+        else:
+            fla = dispatch.fla_chunk_gated_delta_rule()
 
-        def run_block(start_state, q, k, v, gb, bb):
-            return recompute(
-                q,
-                k,
-                v,
-                g=gb,
-                beta=bb,
-                initial_state=start_state,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=ctx.use_l2norm,
-            )
-
-        # The state entering each block, replayed without autograd in float64 and rounded once
-        # to fp32 (the last block's end state is not needed). An fp32 replay's rounding of an
-        # entering state is one perturbation shared by every token of the block; where the decay
-        # is weak, its effect on dg adds up over the block's tokens, and dA_log = sum_t g_t dg_t
-        # can cancel 50-fold. Measured (B=2, T=54, equal A = 0.021, blocks of 29): dA_log
-        # relative error 6.0e-6 with the fp32 replay, 5.9e-7 with the float64 one (the fp32
-        # recurrence: 3.9e-6).
-        entering = [state_BHKV.float()]
-        with torch.no_grad():
-            running = state_BHKV.double()
-            for start, end in blocks[:-1]:
-                running = final_state_in_float64(
-                    *(x[:, start:end] for x in inputs),
-                    initial_state=running,
-                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
+            def run_block(q, k, v, gb, bb, initial_state, use_qk_l2norm_in_kernel):
+                return fla(
+                    q,
+                    k,
+                    v,
+                    g=gb,
+                    beta=bb,
+                    initial_state=initial_state.float(),
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 )
-                entering.append(running.float())
+
+        # LongStraw's kernel: every block is recomputed and backpropagated in float64
+        # (`chunked_in_float64`), from the state entering it, replayed without autograd in
+        # float64 (the last block's end state is not needed); the entering state's cotangent is
+        # handed on in float64 too. Nothing is rounded to fp32 but the gradients: with weak
+        # decay, dA_log = sum_t g_t dg_t cancels 100-1000-fold, and an fp32 rounding anywhere —
+        # of an entering state, of the state's cotangent between blocks, inside a block's
+        # recomputation — is a perturbation whose effect on the decay gradients adds up over the
+        # block's tokens. Measured (B=1, T=62, A = 0.001, blocks of 49): dA_log relative error
+        # 5.1e-4 with fp32 blocks, 4.6e-6 with float64 ones (the fp32 recurrence: 2.0e-5).
+        # fla's kernel gets the same float64 replay of the entering states, rounded to fp32 at
+        # its interface, and the inputs and cotangents in their own dtypes.
+        work = torch.float64 if in_float64 else None
+        entering = [state_BHKV.double()]
+        with torch.no_grad():
+            for start, end in blocks[:-1]:
+                entering.append(
+                    final_state_in_float64(
+                        *(x[:, start:end] for x in inputs),
+                        initial_state=entering[-1],
+                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    )
+                )
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
         ]
-        cot_state = torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV
+        cot_state = (
+            torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV.double()
+        )
         for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
             leaves = [
-                x[:, start:end].detach().requires_grad_(need)
+                x[:, start:end].detach().to(work or x.dtype).requires_grad_(need)
                 for x, need in zip(inputs, needs, strict=True)
             ]
             state_leaf = start_state.detach().requires_grad_(True)
             with torch.enable_grad():
-                out, end_state = run_block(state_leaf, *leaves)
+                out, end_state = run_block(
+                    *leaves, initial_state=state_leaf, use_qk_l2norm_in_kernel=ctx.use_l2norm
+                )
             wanted = [i for i, need in enumerate(needs) if need]
             *grads, grad_state = torch.autograd.grad(
                 (out, end_state),
                 [leaves[i] for i in wanted] + [state_leaf],
-                (grad_out_BTHV[:, start:end], cot_state.float()),
+                (grad_out_BTHV[:, start:end].to(out.dtype), cot_state.to(end_state.dtype)),
                 allow_unused=True,
             )
             for i, grad in zip(wanted, grads, strict=True):
@@ -216,7 +228,7 @@ def gated_delta_rule_recomputed_in_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_fn(...)` (a gated delta rule with transformers' signature; see
     `longstraw.ops.gated_delta_rule`), with a backward that recomputes `block_tokens` tokens at a
-    time from the state entering each block, on LongStraw's chunked kernel.
+    time from the state entering each block, on LongStraw's chunked kernel in float64.
 
     Returns (output [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] fp32 or None). Without grad, or
     for packed sequences (`cu_seqlens`), this is `forward_fn(...)` unchanged.

@@ -9,7 +9,7 @@ Call sites (`SITES`) and their kernels, first applicable wins:
 | `full_attention.prefix`, `full_attention.decode` | `flash-attn` | CUDA, flash-attn imports, queries bf16/fp16, keys/values in that dtype, V = D <= 256, D % 8 = 0 |
 | every attention site | `torch` | otherwise: LongStraw's chunked online softmax |
 | `linear_attention.recompute` | `fla` | CUDA, fla imports, inputs bf16/fp16, and `LONGSTRAW_FLA_RECOMPUTE=1` |
-| `linear_attention.recompute` | `torch` | otherwise: `ops.gated_delta_rule.chunked_gated_delta_rule` |
+| `linear_attention.recompute` | `torch` | otherwise: LongStraw's chunked kernel in float64 (`ops.gated_delta_rule.chunked_in_float64`) |
 | `linear_attention.conv` | `causal-conv1d` | CUDA, causal-conv1d imports, kernel 2-4, activation none/silu, no autograd |
 | `linear_attention.conv` | `torch` | otherwise: K shifted multiply-adds (`ops.causal_conv`) |
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 # transformers' l2norm (aligned with fla): x * rsqrt(sum(x^2) + eps), eps = 1e-6.
 _L2NORM_EPS = 1e-6
@@ -108,28 +109,55 @@ def _segment_decays(g_XC: torch.Tensor) -> torch.Tensor:
     return seg_XIS.masked_fill(beyond_CS, float("-inf")).exp()
 
 
-class _DecayedState(torch.autograd.Function):
-    """state [B, H, Dk, Dv] * decay [B, H, 1, 1], with decay's gradient summed in float64.
+class _ChunkedWithFloat64Backward(torch.autograd.Function):
+    """`_chunked` in fp32 forward; the backward recomputes it in float64 and backpropagates there.
 
-    That sum, <d_next_state, state> over Dk x Dv, is one of three paths by which a chunk's decay
-    gets its gradient (the others: the queries' and the UT transform's reads of the entering
-    state), and the paths cancel: at one token with strong decay, 38-fold. Each fp32 product is
-    exact in float64, so summing there removes this path's rounding (Dk x Dv terms, the largest of
-    the three) from the decay gradients; the forward is the fp32 product it always was.
-    Measured (T = 1, A = 7.5, Dk = Dv = 4): relative error of dA_log 2.8e-5 with the fp32 sum,
-    against 2.2e-6 for the per-token recurrence in fp32.
+    The decay gradients are what needs it: dA_log = sum_t g_t dg_t, and with weak decay that sum
+    cancels 100-1000-fold, while in the chunked form every dg_t is itself a sum over the chunk's
+    segments whose terms (the UT transform's, the intra-chunk attention's, the state's) cancel
+    again. No single fp32 stage is to blame: with any one stage of an otherwise float64 kernel
+    in fp32 (forward and backward), dA_log was 4e-5 to 3e-4 off on a 62-token chunk with
+    A = 0.001, the whole kernel in fp32 3.5e-4, the per-token recurrence in fp32 2.0e-5, the
+    kernel in float64 4.6e-6 (what the fp32 gates and gradients at its interface leave).
+    The forward is `_chunked` in fp32 exactly (its bits, none of its graph kept: only the inputs
+    are saved); the gradients are returned in the inputs' dtypes.
     """
 
     @staticmethod
-    def forward(ctx, state: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(state, decay)
-        return state * decay
+    def forward(ctx, chunk_size, use_l2norm, query, key, value, g, beta, state):
+        ctx.chunk_size, ctx.use_l2norm = chunk_size, use_l2norm
+        ctx.save_for_backward(query, key, value, g, beta, state)
+        with torch.no_grad():
+            return _chunked(
+                query, key, value, g, beta, chunk_size, state, use_l2norm, torch.float32
+            )
 
     @staticmethod
-    def backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state, decay = ctx.saved_tensors
-        d_decay = (d_out.double() * state.double()).sum(dim=(-2, -1), keepdim=True)
-        return d_out * decay, d_decay.to(decay.dtype)
+    @once_differentiable
+    def backward(ctx, d_out, d_state):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        leaves = [
+            x.detach().double().requires_grad_(need) for x, need in zip(inputs, needs, strict=True)
+        ]
+        with torch.enable_grad():
+            out, state = chunked_in_float64(
+                *leaves[:5],
+                initial_state=leaves[5],
+                chunk_size=ctx.chunk_size,
+                use_qk_l2norm_in_kernel=ctx.use_l2norm,
+            )
+        wanted = [i for i, need in enumerate(needs) if need]
+        grads = torch.autograd.grad(
+            (out, state),
+            [leaves[i] for i in wanted],
+            (d_out.double(), d_state.double()),
+            allow_unused=True,
+        )
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, grad in zip(wanted, grads, strict=True):
+            result[i] = None if grad is None else grad.to(inputs[i].dtype)
+        return (None, None, *result)
 
 
 def chunked_gated_delta_rule(
@@ -159,22 +187,61 @@ def chunked_gated_delta_rule(
     the inter-chunk reads `q @ S` and the intra-chunk attention run batched after the scan
     instead of inside it; nothing is assigned into a slice, so autograd sees plain ops. Agrees
     with transformers' to fp32 rounding (measured ≤ 5.7e-7 abs on unit-scale outputs).
+
+    With grad, the forward keeps only its inputs and the backward recomputes the chunks in
+    float64 and backpropagates there (`_ChunkedWithFloat64Backward`: the decay gradients cancel
+    too much for an fp32 backward); the gradients come back in the inputs' dtypes.
     """
     _check_inputs(query, key, value, g, beta, initial_state, kwargs)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    out, state = _chunked(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size,
-        initial_state,
-        use_qk_l2norm_in_kernel,
-        torch.float32,
+    inputs = (query, key, value, g, beta, initial_state)
+    if not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in inputs):
+        out, state = _chunked(
+            *inputs[:5], chunk_size, initial_state, use_qk_l2norm_in_kernel, torch.float32
+        )
+        return out, (state if output_final_state else None)
+    if initial_state is None:
+        B, _, _, Dk = key.shape
+        Hv, Dv = value.shape[2:]
+        initial_state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=value.device)
+    out, state = _ChunkedWithFloat64Backward.apply(
+        chunk_size, use_qk_l2norm_in_kernel, query, key, value, g, beta, initial_state
     )
     return out, (state if output_final_state else None)
+
+
+def chunked_in_float64(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_gated_delta_rule`'s computation with every operation in float64, differentiable
+    by plain autograd (so its backward is float64 too) ->
+    (output [B, T, Hv, Dv] float64, final state [B, Hv, Dk, Dv] float64).
+
+    For the backwards that must not round to fp32 inside: the chunked kernel's own and the
+    blockwise backward's recomputation (`longstraw.ops.blockwise_backward`).
+    """
+    _check_inputs(query, key, value, g, beta, initial_state, {})
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    return _chunked(
+        query.double(),
+        key.double(),
+        value.double(),
+        g.double(),
+        beta.double(),
+        chunk_size,
+        initial_state.double(),
+        use_qk_l2norm_in_kernel,
+        torch.float64,
+    )
 
 
 def final_state_in_float64(
@@ -187,27 +254,23 @@ def final_state_in_float64(
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> torch.Tensor:
-    """The final state [B, Hv, Dk, Dv] float64 of `chunked_gated_delta_rule`'s recurrence from
-    `initial_state`, every operation in float64 (no autograd intended).
+    """The final state [B, Hv, Dk, Dv] float64 of `chunked_in_float64`, without autograd.
 
     For the blockwise backward's replay of the states entering its blocks: an fp32 replay's
     rounding of an entering state is a perturbation shared by every token of the block, so with
     weak decay its effect on the decay gradients adds up over the block instead of averaging out.
     """
-    _check_inputs(query, key, value, g, beta, initial_state, {})
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    _, state = _chunked(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size,
-        initial_state,
-        use_qk_l2norm_in_kernel,
-        torch.float64,
-    )
+    with torch.no_grad():
+        _, state = chunked_in_float64(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            initial_state,
+            chunk_size=chunk_size,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
     return state
 
 
@@ -269,8 +332,7 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
         v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
         v_new.append(v_new_i)
         state = (
-            _DecayedState.apply(state, chunk_decay_BHN11[:, :, i])
-            + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
+            state * chunk_decay_BHN11[:, :, i] + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
         )
     starts_BHNKV = torch.stack(starts, dim=2)
     v_new_BHNCV = torch.stack(v_new, dim=2)
