@@ -118,4 +118,3 @@ def sharded_prefill(
     return prefill(
         model, prompt_ids, shard_tokens=shard_tokens, exchange=CrossRankExchange(group), **options
     )
-
