@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from longstraw.ops import dispatch
-from longstraw.ops.gated_delta_rule import chunked_in_float64, final_state_in_float64
+from longstraw.ops.gated_delta_rule import chunked_in_float64
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
 # 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
@@ -173,13 +173,12 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         entering = [state_BHKV.double()]
         with torch.no_grad():
             for start, end in blocks[:-1]:
-                entering.append(
-                    final_state_in_float64(
-                        *(x[:, start:end] for x in inputs),
-                        initial_state=entering[-1],
-                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
-                    )
+                _, end_state = chunked_in_float64(
+                    *(x[:, start:end] for x in inputs),
+                    initial_state=entering[-1],
+                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
                 )
+                entering.append(end_state)
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)

@@ -244,36 +244,6 @@ def chunked_in_float64(
     )
 
 
-def final_state_in_float64(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    chunk_size: int = 64,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> torch.Tensor:
-    """The final state [B, Hv, Dk, Dv] float64 of `chunked_in_float64`, without autograd.
-
-    For the blockwise backward's replay of the states entering its blocks: an fp32 replay's
-    rounding of an entering state is a perturbation shared by every token of the block, so with
-    weak decay its effect on the decay gradients adds up over the block instead of averaging out.
-    """
-    with torch.no_grad():
-        _, state = chunked_in_float64(
-            query,
-            key,
-            value,
-            g,
-            beta,
-            initial_state,
-            chunk_size=chunk_size,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        )
-    return state
-
-
 def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2norm_in_kernel, dtype):
     """`chunked_gated_delta_rule`'s computation, in `dtype` (float32 for the kernel) ->
     (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`)."""
