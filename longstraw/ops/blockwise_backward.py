@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from longstraw.ops import dispatch
+from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
 from longstraw.ops.gated_delta_rule import chunked_in_float64
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
@@ -110,16 +111,20 @@ def rows_recomputed_in_blocks(
 
 
 class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
+    # The log-decays come in as `formula(*gate)` (`longstraw.ops.decay_gate.gate_parts`): the
+    # forward runs on them in fp32, the backward forms them in float64 and differentiates that.
     @staticmethod
-    def forward(ctx, forward_fn, block_tokens, use_l2norm, query, key, value, g, beta, state):
-        ctx.block_tokens, ctx.use_l2norm = block_tokens, use_l2norm
-        ctx.save_for_backward(query, key, value, g, beta, state)
+    def forward(
+        ctx, forward_fn, block_tokens, use_l2norm, formula, query, key, value, beta, state, *gate
+    ):
+        ctx.block_tokens, ctx.use_l2norm, ctx.formula = block_tokens, use_l2norm, formula
+        ctx.save_for_backward(query, key, value, beta, state, *gate)
         with torch.no_grad():
             out, final = forward_fn(
                 query,
                 key,
                 value,
-                g=g,
+                g=formula(*(x.float() for x in gate)),
                 beta=beta,
                 initial_state=state,
                 output_final_state=True,
@@ -129,9 +134,16 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out_BTHV, grad_final_BHKV):
-        query, key, value, g, beta, state_BHKV = ctx.saved_tensors
-        inputs = (query, key, value, g, beta)
-        needs = ctx.needs_input_grad[3:8]
+        query, key, value, beta, state_BHKV, *gate = ctx.saved_tensors
+        needs_gate = ctx.needs_input_grad[9:]
+        gate_leaves = [
+            x.detach().double().requires_grad_(need)
+            for x, need in zip(gate, needs_gate, strict=True)
+        ]
+        with torch.enable_grad():
+            g64 = ctx.formula(*gate_leaves)
+        need_g = any(needs_gate)
+        needs = (*ctx.needs_input_grad[4:7], need_g, ctx.needs_input_grad[7])
         blocks = _blocks(query.shape[1], ctx.block_tokens)
 
         # LongStraw's chunked kernel, in float64 (fla's, in the inputs' dtype, on CUDA when
@@ -169,6 +181,10 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         # 5.1e-4 with fp32 blocks, 4.6e-6 with float64 ones (the fp32 recurrence: 2.0e-5).
         # fla's kernel gets the same float64 replay of the entering states, rounded to fp32 at
         # its interface, and the inputs and cotangents in their own dtypes.
+        # The log-decays in float64, unrounded (fp32 for fla's kernel); their cotangent is
+        # gathered over the blocks and differentiated through their formation once, after them.
+        g_blocks = g64.detach() if in_float64 else g64.detach().float()
+        inputs = (query, key, value, g_blocks, beta)
         work = torch.float64 if in_float64 else None
         entering = [state_BHKV.double()]
         with torch.no_grad():
@@ -208,7 +224,16 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
                     grads_in[i][:, start:end] = grad
             cot_state = torch.zeros_like(cot_state) if grad_state is None else grad_state
         grad_state = cot_state.to(state_BHKV.dtype) if ctx.needs_input_grad[8] else None
-        return (None, None, None, *grads_in, grad_state)
+        grad_gate: list[torch.Tensor | None] = [None] * len(gate)
+        wanted_gate = [i for i, need in enumerate(needs_gate) if need]
+        if wanted_gate:
+            grads = torch.autograd.grad(
+                g64, [gate_leaves[i] for i in wanted_gate], grads_in[3].double(), allow_unused=True
+            )
+            for i, grad in zip(wanted_gate, grads, strict=True):
+                grad_gate[i] = None if grad is None else grad.to(gate[i].dtype)
+        dq, dk, dv, _, dbeta = grads_in
+        return (None, None, None, None, dq, dk, dv, dbeta, grad_state, *grad_gate)
 
 
 def gated_delta_rule_recomputed_in_blocks(
@@ -216,7 +241,7 @@ def gated_delta_rule_recomputed_in_blocks(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | DecayGate,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -229,6 +254,10 @@ def gated_delta_rule_recomputed_in_blocks(
     `longstraw.ops.gated_delta_rule`), with a backward that recomputes `block_tokens` tokens at a
     time from the state entering each block, on LongStraw's chunked kernel in float64.
 
+    `g` may be the `DecayGate` that forms the log-decays (`longstraw.ops.decay_gate`):
+    `forward_fn` gets the fp32 log-decays it forms, and the backward differentiates their
+    formation in float64 too.
+
     Returns (output [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] fp32 or None). Without grad, or
     for packed sequences (`cu_seqlens`), this is `forward_fn(...)` unchanged.
     """
@@ -240,7 +269,7 @@ def gated_delta_rule_recomputed_in_blocks(
             query,
             key,
             value,
-            g=g,
+            g=fp32_log_decays(g),
             beta=beta,
             initial_state=initial_state,
             output_final_state=output_final_state,
@@ -251,15 +280,17 @@ def gated_delta_rule_recomputed_in_blocks(
     Hv, Dv = value.shape[2:]
     if initial_state is None:
         initial_state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=value.device)
+    formula, gate = gate_parts(g)
     out, final = _GatedDeltaRuleRecomputedInBlocks.apply(
         forward_fn,
         block_tokens,
         use_qk_l2norm_in_kernel,
+        formula,
         query,
         key,
         value,
-        g,
         beta,
         initial_state,
+        *gate,
     )
     return out, (final if output_final_state else None)

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
+
 # transformers' l2norm (aligned with fla): x * rsqrt(sum(x^2) + eps), eps = 1e-6.
 _L2NORM_EPS = 1e-6
 
@@ -118,16 +120,19 @@ class _ChunkedWithFloat64Backward(torch.autograd.Function):
     again. No single fp32 stage is to blame: with any one stage of an otherwise float64 kernel
     in fp32 (forward and backward), dA_log was 4e-5 to 3e-4 off on a 62-token chunk with
     A = 0.001, the whole kernel in fp32 3.5e-4, the per-token recurrence in fp32 2.0e-5, the
-    kernel in float64 4.6e-6 (what the fp32 gates and gradients at its interface leave).
+    kernel in float64 4.6e-6 (what the fp32 gates and gradients at its interface leave; given
+    a `DecayGate`, the backward forms the gates in float64 too and that is gone).
     The forward is `_chunked` in fp32 exactly (its bits, none of its graph kept: only the inputs
-    are saved); the gradients are returned in the inputs' dtypes.
+    are saved); the gradients are returned in the inputs' dtypes. The log-decays come in as
+    `formula(*gate_tensors)` (`longstraw.ops.decay_gate.gate_parts`).
     """
 
     @staticmethod
-    def forward(ctx, chunk_size, use_l2norm, query, key, value, g, beta, state):
-        ctx.chunk_size, ctx.use_l2norm = chunk_size, use_l2norm
-        ctx.save_for_backward(query, key, value, g, beta, state)
+    def forward(ctx, chunk_size, use_l2norm, formula, query, key, value, beta, state, *gate):
+        ctx.chunk_size, ctx.use_l2norm, ctx.formula = chunk_size, use_l2norm, formula
+        ctx.save_for_backward(query, key, value, beta, state, *gate)
         with torch.no_grad():
+            g = formula(*(x.float() for x in gate))
             return _chunked(
                 query, key, value, g, beta, chunk_size, state, use_l2norm, torch.float32
             )
@@ -136,20 +141,25 @@ class _ChunkedWithFloat64Backward(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, d_out, d_state):
         inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
         leaves = [
             x.detach().double().requires_grad_(need) for x, need in zip(inputs, needs, strict=True)
         ]
+        q, k, v, beta, state = leaves[:5]
         with torch.enable_grad():
-            out, state = chunked_in_float64(
-                *leaves[:5],
-                initial_state=leaves[5],
+            out, final = chunked_in_float64(
+                q,
+                k,
+                v,
+                ctx.formula(*leaves[5:]),
+                beta,
+                initial_state=state,
                 chunk_size=ctx.chunk_size,
                 use_qk_l2norm_in_kernel=ctx.use_l2norm,
             )
         wanted = [i for i, need in enumerate(needs) if need]
         grads = torch.autograd.grad(
-            (out, state),
+            (out, final),
             [leaves[i] for i in wanted],
             (d_out.double(), d_state.double()),
             allow_unused=True,
@@ -157,14 +167,14 @@ class _ChunkedWithFloat64Backward(torch.autograd.Function):
         result: list[torch.Tensor | None] = [None] * len(inputs)
         for i, grad in zip(wanted, grads, strict=True):
             result[i] = None if grad is None else grad.to(inputs[i].dtype)
-        return (None, None, *result)
+        return (None, None, None, *result)
 
 
 def chunked_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | DecayGate,
     beta: torch.Tensor,
     chunk_size: int = 64,
     initial_state: torch.Tensor | None = None,
@@ -190,15 +200,26 @@ def chunked_gated_delta_rule(
 
     With grad, the forward keeps only its inputs and the backward recomputes the chunks in
     float64 and backpropagates there (`_ChunkedWithFloat64Backward`: the decay gradients cancel
-    too much for an fp32 backward); the gradients come back in the inputs' dtypes.
+    too much for an fp32 backward); the gradients come back in the inputs' dtypes. `g` may be
+    the `DecayGate` that forms the log-decays: the same forward, and the backward differentiates
+    their formation in float64 too (`longstraw.ops.decay_gate`).
     """
     _check_inputs(query, key, value, g, beta, initial_state, kwargs)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    inputs = (query, key, value, g, beta, initial_state)
+    formula, gate = gate_parts(g)
+    inputs = (query, key, value, beta, initial_state, *gate)
     if not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in inputs):
         out, state = _chunked(
-            *inputs[:5], chunk_size, initial_state, use_qk_l2norm_in_kernel, torch.float32
+            query,
+            key,
+            value,
+            fp32_log_decays(g),
+            beta,
+            chunk_size,
+            initial_state,
+            use_qk_l2norm_in_kernel,
+            torch.float32,
         )
         return out, (state if output_final_state else None)
     if initial_state is None:
@@ -206,7 +227,7 @@ def chunked_gated_delta_rule(
         Hv, Dv = value.shape[2:]
         initial_state = torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, device=value.device)
     out, state = _ChunkedWithFloat64Backward.apply(
-        chunk_size, use_qk_l2norm_in_kernel, query, key, value, g, beta, initial_state
+        chunk_size, use_qk_l2norm_in_kernel, formula, query, key, value, beta, initial_state, *gate
     )
     return out, (state if output_final_state else None)
 
