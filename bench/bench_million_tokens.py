@@ -281,7 +281,8 @@ def kill_check(args, results: dict, save) -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Step time per stage and peak RSS against P, one line per mode (resident runs)."""
+    """Step time per stage and peak RSS against P, one line per mode (resident runs); prefill
+    and whole-step times only from runs that computed every shard themselves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,12 +304,16 @@ def plot(results: dict, path: Path) -> None:
         if not runs:
             continue
         ps = [r["prompt_tokens"] for r in runs]
-        for stage in ("prefill", "sweep"):
-            values = [r["metrics"]["seconds"].get(stage, 0.0) / 60 for r in runs]
-            if any(values):
-                time_ax.plot(ps, values, marker=marker, label=f"{mode}: {stage}")
-        steps = [sum(r["metrics"]["seconds"].values()) / 60 for r in runs]
-        time_ax.plot(ps, steps, marker=marker, linestyle="--", label=f"{mode}: whole step")
+        # A run that read committed shards back (a resumed one) timed only part of its prefill.
+        whole = [r for r in runs if r["metrics"]["shards_reused"] == 0]
+        whole_ps = [r["prompt_tokens"] for r in whole]
+        prefill = [r["metrics"]["seconds"]["prefill"] / 60 for r in whole]
+        time_ax.plot(whole_ps, prefill, marker=marker, label=f"{mode}: prefill")
+        sweep = [r["metrics"]["seconds"].get("sweep", 0.0) / 60 for r in runs]
+        if any(sweep):
+            time_ax.plot(ps, sweep, marker=marker, label=f"{mode}: sweep")
+        steps = [sum(r["metrics"]["seconds"].values()) / 60 for r in whole]
+        time_ax.plot(whole_ps, steps, marker=marker, linestyle="--", label=f"{mode}: whole step")
         rss_ax.plot(ps, [r["peak_rss_sampled_bytes"] / 2**30 for r in runs], marker=marker,
                     label=f"{mode}: peak RSS")  # fmt: skip
         rss_ax.plot(ps, [r["state_bytes_on_disk"] / 2**30 for r in runs], marker=marker,
