@@ -3,14 +3,18 @@
     .venv/bin/python bench/bench_delta_rule_backward.py [--tokens 2048] [--heads 4] [--dim 64]
 
 Times (best of `--repeats`, after one warm-up) the forward and the backward of
-- `blockwise`: `gated_delta_rule_recomputed_in_blocks` over transformers' forward, what the sweep
-  and branch replay backpropagate through (its backward recomputes 256-token blocks in float64);
-- `chunked`: LongStraw's chunked kernel with autograd (its backward recomputes in float64);
+- `blockwise`: `gated_delta_rule_recomputed_in_blocks` over transformers' forward, given the
+  decay gate's inputs as the sweep and branch replay give it (its backward recomputes 256-token
+  blocks in float64 and differentiates the gate's formation in float64);
+- `blockwise, given g`: the same given the fp32 log-decays, autograd forming their gradients;
+- `chunked`: LongStraw's chunked kernel given the decay gate (its backward recomputes in float64);
 - `transformers fp32` (the baseline): autograd through transformers' own chunked kernel, an fp32
   backward of the same chunked form.
-Prints each backward as a ratio to the baseline's and writes JSON (`--out`).
+Every forward includes forming the log-decays g = -exp(A_log) * softplus(a + dt_bias), as the
+layers do. Prints each backward as a ratio to the baseline's and writes JSON (`--out`).
 
-Legend: B = 1, T tokens, H heads of D (keys and values), log-decays in [-0.1, 0], 2 threads.
+Legend: B = 1, T tokens, H heads of D (keys and values), A = exp(A_log) in [0.001, 0.1], 2
+threads.
 """
 
 from __future__ import annotations
@@ -24,35 +28,49 @@ import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.blockwise_backward import gated_delta_rule_recomputed_in_blocks
+from longstraw.ops.decay_gate import DecayGate
 from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule
 
 KWARGS = {"initial_state": None, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
 
 
 def _kernels():
-    def blockwise(q, k, v, g, beta):
-        forward = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    forward = modeling_qwen3_5.torch_chunk_gated_delta_rule
+
+    def blockwise(q, k, v, gate, beta):
         return gated_delta_rule_recomputed_in_blocks(
-            forward, q, k, v, g, beta, block_tokens=256, **KWARGS
+            forward, q, k, v, gate, beta, block_tokens=256, **KWARGS
         )
 
-    def chunked(q, k, v, g, beta):
-        return chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=64, **KWARGS)
+    def blockwise_given_g(q, k, v, gate, beta):
+        return gated_delta_rule_recomputed_in_blocks(
+            forward, q, k, v, gate.fp32(), beta, block_tokens=256, **KWARGS
+        )
 
-    def transformers_fp32(q, k, v, g, beta):
-        return modeling_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g, beta, **KWARGS)
+    def chunked(q, k, v, gate, beta):
+        return chunked_gated_delta_rule(q, k, v, gate, beta, chunk_size=64, **KWARGS)
 
-    return {"blockwise": blockwise, "chunked": chunked, "transformers fp32": transformers_fp32}
+    def transformers_fp32(q, k, v, gate, beta):
+        return forward(q, k, v, gate.fp32(), beta, **KWARGS)
+
+    return {
+        "blockwise": blockwise,
+        "blockwise, given g": blockwise_given_g,
+        "chunked": chunked,
+        "transformers fp32": transformers_fp32,
+    }
 
 
 def _time(kernel, tokens: int, heads: int, dim: int) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(0)
     shape = (1, tokens, heads)
     q, k, v = (torch.randn(*shape, dim, generator=gen).requires_grad_(True) for _ in range(3))
-    g = (-torch.rand(*shape, generator=gen) * 0.1).requires_grad_(True)
+    a = torch.randn(*shape, generator=gen).requires_grad_(True)
+    A_log = torch.linspace(-6.9, -2.3, heads).requires_grad_(True)
+    dt_bias = torch.ones(heads).requires_grad_(True)
     beta = torch.rand(*shape, generator=gen).requires_grad_(True)
     start = time.perf_counter()
-    out, state = kernel(q, k, v, g, beta)
+    out, state = kernel(q, k, v, DecayGate(a, A_log, dt_bias), beta)
     middle = time.perf_counter()
     (out.sum() + state.sum()).backward()
     return middle - start, time.perf_counter() - middle
