@@ -90,7 +90,7 @@ def train_command(
     a tiny checkpoint it builds itself, the synthetic long-context task)."""
     from longstraw.errors import UserError
     from longstraw.schemas.run import ConfigError
-    from longstraw.train_entry import Interrupted, run_training
+    from longstraw.train_entry import Interrupted, run_training, say_interrupted
 
     try:
         run_training(
@@ -104,7 +104,7 @@ def train_command(
             debug=debug,
         )
     except Interrupted as stop:
-        _error_line(str(stop), prefix="")
+        say_interrupted("; ".join(part.strip() for part in str(stop).splitlines()))
         raise typer.Exit(stop.exit_code) from None
     except (UserError, ConfigError) as error:
         if debug:

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -166,12 +167,33 @@ def kill_children(timeout_s: float = 3.0) -> None:
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
+_said_lock = threading.Lock()
+_said = [False]
+
+
+def say_interrupted(line: str) -> None:
+    """The interrupt's one line on stderr, written once: the unwinding run (through the CLI)
+    and the watchdog race to it."""
+    with _said_lock:
+        if _said[0]:
+            return
+        _said[0] = True
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 class _Signals:
     """SIGINT / SIGTERM raise KeyboardInterrupt in the main thread (so `finally` blocks run) and
-    arm a watchdog that ends the process if cleanup hangs."""
+    arm a watchdog that ends the process if cleanup hangs.
+
+    A run cut short by the watchdog is as resumable as one that unwound (checkpoints commit
+    atomically), so the watchdog still releases the run's lease and says how to continue —
+    `last_words(signum)`, a line that reads no storage (a frozen endpoint must not keep the
+    process alive) — unless the unwinding run has said it already (`say_interrupted`)."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.last_words: Callable[[int], str] | None = None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
@@ -184,10 +206,19 @@ class _Signals:
         raise KeyboardInterrupt
 
     def _force_exit(self) -> None:
+        from longstraw.training.run_lease import abandon_held_leases
+
+        signum = self.received or signal.SIGTERM
         kill_children(timeout_s=1.0)
-        sys.stderr.write("error: cleanup after the interrupt took too long; exited anyway\n")
-        sys.stderr.flush()
-        os._exit(128 + (self.received or signal.SIGTERM))
+        # Bounded: the lease may live on a volume or endpoint that no longer answers.
+        release = threading.Thread(target=abandon_held_leases, daemon=True)
+        release.start()
+        release.join(timeout=2.0)
+        if self.last_words is None:
+            say_interrupted("error: cleanup after the interrupt took too long; exited anyway")
+        else:
+            say_interrupted(self.last_words(signum))
+        os._exit(128 + signum)
 
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
@@ -240,6 +271,7 @@ def run_training(
     from longstraw.training.run_start import preflight
 
     preflight(config, resume)
+    interrupted.last_words = lambda signum: _cut_short(config, signum, config_path, run_id, root)
     with contextlib.ExitStack() as stack:
         signals = stack.enter_context(interrupted)
         # Under torchrun only rank 0 writes the run (the other ranks serve its stages).
@@ -280,6 +312,16 @@ def _interrupted(config: RunConfig, signum: int, config_path, run_id, root) -> I
         f"latest committed checkpoint is {latest_checkpoint(config.storage, config.run_id)} "
         f"— continue it with: {resume_command(config, config_path, run_id, root)}",
         128 + signum,
+    )
+
+
+def _cut_short(config: RunConfig, signum: int, config_path, run_id, root) -> str:
+    """The watchdog's line: `_interrupted`'s, without the storage read that names the latest
+    checkpoint."""
+    return (
+        f"interrupted by {signal.Signals(signum).name}: run {config.run_id!r} stopped (its "
+        f"cleanup took over {FORCE_EXIT_AFTER_S:.0f} s and was cut short; what was committed is "
+        f"kept) — continue it with: {resume_command(config, config_path, run_id, root)}"
     )
 
 

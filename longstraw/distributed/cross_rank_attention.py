@@ -35,7 +35,7 @@ Per exchange the communication is query-sized, never prefix-sized.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -342,24 +342,15 @@ def cross_rank_attention(
 AttentionInterface.register(ATTENTION_NAME, cross_rank_attention)
 
 
-@contextlib.contextmanager
-def cross_rank_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model`'s full-attention (and GLM MLA) layers across ranks inside the block."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous == ATTENTION_NAME:
-        # Already enabled by an enclosing block (a sampler's loop around each step's forward).
-        yield
-        return
-    config._attn_implementation = ATTENTION_NAME
-    family = contextlib.nullcontext()
-    if is_glm(model):
-        # GLM-5's attention modules are replaced whole (latent prefix, global DSA top-k).
-        from longstraw.distributed.cross_rank_mla import cross_rank_mla_installed
+def _cross_rank_layers_installed(model: PreTrainedModel) -> contextlib.AbstractContextManager:
+    if not is_glm(model):
+        return contextlib.nullcontext()
+    # GLM-5's attention modules are replaced whole (latent prefix, global DSA top-k).
+    from longstraw.distributed.cross_rank_mla import cross_rank_mla_installed
 
-        family = cross_rank_mla_installed(model)
-    try:
-        with family:
-            yield
-    finally:
-        config._attn_implementation = previous
+    return cross_rank_mla_installed(model)
+
+
+def cross_rank_attention_enabled(model: PreTrainedModel) -> contextlib.AbstractContextManager:
+    """Run `model`'s full-attention (and GLM MLA) layers across ranks inside the block."""
+    return attention.attention_selected(model, ATTENTION_NAME, _cross_rank_layers_installed)

@@ -11,7 +11,7 @@ Registered under a name with no mask function, so transformers builds no [S, T] 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -90,20 +90,34 @@ AttentionInterface.register(ATTENTION_NAME, longstraw_attention)
 
 
 @contextlib.contextmanager
-def prefix_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model`'s attention layers through LongStraw's prefix attention inside the block."""
+def attention_selected(
+    model: PreTrainedModel,
+    name: str,
+    layers_installed: Callable[[PreTrainedModel], contextlib.AbstractContextManager],
+) -> Iterator[None]:
+    """Inside the block `model`'s attention calls the function registered as `name`, with what
+    `layers_installed(model)` installs (GLM-5's attention modules, replaced whole). Nested
+    blocks (the sweep's per-layer recomputation, a sampler's steps) change nothing."""
     config = model.config
     previous = config._attn_implementation
-    if previous == ATTENTION_NAME:
-        # Already enabled by an enclosing block (the sweep's per-layer recomputation nests this
-        # once per layer): everything is installed, walking the modules again would only cost.
+    if previous == name:
         yield
         return
-    config._attn_implementation = ATTENTION_NAME
-    # GLM-5's attention modules are replaced whole (latent state, DSA selection): models/glm.py.
-    family = mla_attention_installed(model) if is_glm(model) else contextlib.nullcontext()
+    config._attn_implementation = name
     try:
-        with family, stable_routing_installed(model):
+        with layers_installed(model):
             yield
     finally:
         config._attn_implementation = previous
+
+
+@contextlib.contextmanager
+def _prefix_layers_installed(model: PreTrainedModel) -> Iterator[None]:
+    family = mla_attention_installed(model) if is_glm(model) else contextlib.nullcontext()
+    with family, stable_routing_installed(model):
+        yield
+
+
+def prefix_attention_enabled(model: PreTrainedModel) -> contextlib.AbstractContextManager:
+    """Run `model`'s attention layers through LongStraw's prefix attention inside the block."""
+    return attention_selected(model, ATTENTION_NAME, _prefix_layers_installed)

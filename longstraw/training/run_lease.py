@@ -36,6 +36,8 @@ LEASE_FILE = "RUN.lock"
 logger = logging.getLogger("longstraw.lease")
 
 _held: dict[Path, int] = {}
+# What this process wrote into each lease it holds: only a file still holding it is removed.
+_contents: dict[Path, bytes] = {}
 _held_lock = threading.Lock()
 
 
@@ -108,6 +110,7 @@ def run_lease(config: RunConfig, *, lease_s: float = DEFAULT_LEASE_S) -> Iterato
             raise RunLeaseHeld(config, info)
     with _held_lock:
         _held[path] = 1
+        _contents[path] = content
     heartbeats.register(str(path), lambda: touch_if_owned(path, owner.token))
     try:
         yield path
@@ -124,6 +127,7 @@ def _release(path: Path, content: bytes, lease_s: float, failure: BaseException 
     heartbeats.unregister(str(path))
     with _held_lock:
         _held.pop(path, None)
+        _contents.pop(path, None)
     try:
         remove_if_unchanged(path, content)
     except OSError as err:
@@ -136,3 +140,17 @@ def _release(path: Path, content: bytes, lease_s: float, failure: BaseException 
             failure.add_note(note)
         else:
             logger.warning("warning: %s", note)
+
+
+def abandon_held_leases() -> None:
+    """Remove every lease this process holds, from any thread, without waiting for the blocks
+    that hold them: for a process about to exit at once (the interrupt's watchdog). A lease
+    that cannot be removed is left to be taken over."""
+    with _held_lock:
+        held = list(_contents.items())
+        _held.clear()
+        _contents.clear()
+    for path, content in held:
+        heartbeats.unregister(str(path))
+        with contextlib.suppress(OSError):
+            remove_if_unchanged(path, content)

@@ -41,7 +41,9 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def _signalled_train(tmp_path, runs_root, fresh_prefect_home, run_id, send, *, settle_s=0.0):
+def _signalled_train(
+    tmp_path, runs_root, fresh_prefect_home, run_id, send, *, settle_s=0.0, cli="longstraw.cli"
+):
     """Start `longstraw train` in a session of its own, wait for its first checkpoint, call
     `send(process)` and wait for the exit. Returns (return code, output, seconds from the
     signal to the exit, the children still alive `settle_s` after it, the run's directory).
@@ -49,7 +51,7 @@ def _signalled_train(tmp_path, runs_root, fresh_prefect_home, run_id, send, *, s
     config_path = write_run_yaml(tmp_path / "run.yaml", runs_root, run_id, num_steps=3)
     first_checkpoint = runs_root / "runs" / run_id / "checkpoints" / "v000001"
     process = subprocess.Popen(
-        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)],
+        [sys.executable, "-m", cli, "train", "--config", str(config_path)],
         cwd=tmp_path,
         env=_env(fresh_prefect_home(tmp_path / "prefect")),
         stdout=subprocess.PIPE,
@@ -101,6 +103,33 @@ def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
     assert len(resume_lines) == 1, output[-3000:]
     assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
     assert not (run / "RUN.lock").exists(), "the lease was released"
+
+
+def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
+    tmp_path, runs_root, fresh_prefect_home
+):
+    """Cleanup slower than the watchdog (a loaded machine, an endpoint that stopped answering;
+    here the lease's release never returns): the process still exits with 128 + signum, stops
+    what it started, removes its lease and prints the one resume line."""
+    rc, output, took, alive, config_path, run = _signalled_train(
+        tmp_path,
+        runs_root,
+        fresh_prefect_home,
+        "cut-short",
+        lambda process: process.send_signal(signal.SIGTERM),
+        settle_s=1.0,
+        cli="hanging_cleanup_cli",
+    )
+    print(f"SIGTERM to the forced exit: {took:.1f} s")
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    assert "interrupted by SIGTERM" in resume_lines[0] and "cut short" in resume_lines[0]
+    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
+    assert "took too long" not in output, output[-3000:]
+    assert not (run / "RUN.lock").exists(), "the lease was removed"
 
 
 def test_sigterm_to_the_process_group_stops_train_as_promptly(
