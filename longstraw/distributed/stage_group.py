@@ -81,6 +81,8 @@ class StageGroup:
         """The rendezvous store: where a serving rank leaves the UserError that ended it."""
         self.broken = False
         """A stage ended in a UserError: the ranks are no longer in step."""
+        self.own_failure: Exception | None = None
+        """The first error a stage raised on this rank (the driver reports the run's)."""
         self.serving = threading.local()
 
     @property
@@ -118,6 +120,8 @@ class StageGroup:
         try:
             result, failure = fn(*args, **kwargs), None
         except Exception as error:  # reported to every rank below
+            if self.own_failure is None:
+                self.own_failure = error
             if isinstance(error, UserError) and self._end_with(error, name):
                 raise
             result, failure = None, (self.rank, type(error).__name__, traceback.format_exc())
@@ -300,6 +304,23 @@ def _serve_spawned(rank: int, world_size: int, port: int, backend: str, timeout_
         _active.stop()
 
 
+def _serving_exit_status(group: StageGroup) -> int:
+    """A torchrun serving rank's exit status: 0, or — where a stage failed on this rank — the
+    status `longstraw train` gives that error (74 for a storage fault, 2 for another user
+    error, 1 otherwise), after one line on this rank's log. A rank that failed must not look
+    done to its node's scheduler, and its torchrun agent then stops at once instead of waiting
+    out the exit barrier of a run whose driver is gone."""
+    error = group.own_failure
+    if error is None:
+        return 0
+    if isinstance(error, UserError):
+        line = "; ".join(part.strip() for part in str(error).splitlines())
+        sys.stderr.write(f"error: rank {group.rank}: {line} (rank 0 ends the run)\n")
+        sys.stderr.flush()
+        return getattr(error, "exit_code", 2)
+    return 1  # its traceback was written when the stage raised
+
+
 def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
@@ -331,7 +352,7 @@ def start_stage_group(parallel) -> StageGroup | None:
                     group.serve()
                 finally:
                     group.stop()
-                sys.exit(0)
+                sys.exit(_serving_exit_status(group))
         else:
             port = free_port()
             context = mp.get_context("spawn")

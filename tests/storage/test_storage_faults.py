@@ -594,3 +594,82 @@ def _train_watching_children(
     left = [pid for pid, child in children.items() if alive(child)]
     assert not left, f"{[commands[p] for p in left]} outlived the run:\n{out[-4000:]}"
     return process.returncode, out.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_under_a_torchrun_rank_ends_both_nodes_at_once(tmp_path, checkpoint_dir):
+    """Ranks formed by torchrun (two "nodes" of one process each, on loopback), the disk full
+    under rank 1 only: the driver's node ends in the fault's one line (74), and the failed
+    rank's node says it in one line of its own and fails too. It exited 0 before, as a rank that
+    merely left the group, and its torchrun agent could then wait out the five-minute exit
+    barrier (312 s in one probe). What torchrun's agents print after their worker (failure
+    summaries, c10d warnings) is the launcher's own."""
+    from longstraw.distributed.launch import free_port
+
+    root = tmp_path / "root"
+    _write_run(
+        tmp_path,
+        checkpoint_dir("llama"),
+        {"root_uri": str(root)},
+        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 120},
+    )
+    (tmp_path / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    path = os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+        "PYTHONPATH": path,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    port = free_port()
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=longstraw-fault",
+        "--max-restarts=0",
+        "-m",
+        "longstraw.cli",
+        "train",
+        "--config",
+        "run.yaml",
+        "--no-prefect",
+    ]
+    started = time.monotonic()
+    nodes = [
+        subprocess.Popen(
+            torchrun,
+            cwd=tmp_path,
+            # Each node's environment: the fault is on rank 1's.
+            env={**env, "FAULT": "full-on-rank:1" if node == 1 else "none:"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+                node.wait()
+    took = time.monotonic() - started
+    target = f"writing {root}/runs/faulty/checkpoints/v000002/optimizer-rank1-of-2.safetensors"
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode != 0, output[-4000:]
+    driver_lines = [line for line in outputs[0].splitlines() if line.startswith("error: ")]
+    assert len(driver_lines) == 1, outputs[0][-4000:]
+    assert f"no space left on the volume of {root} " in driver_lines[0]
+    assert target in driver_lines[0] and "--resume" in driver_lines[0]
+    rank_lines = [line for line in outputs[1].splitlines() if line.startswith("error: ")]
+    assert len(rank_lines) == 1, outputs[1][-4000:]
+    assert rank_lines[0].startswith("error: rank 1: no space left") and target in rank_lines[0]
+    assert took < 120, f"{took:.0f} s: a node waited out torchrun's exit barrier"
+    run = root / "runs" / "faulty"
+    assert not (run / "RUN.lock").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
