@@ -84,6 +84,17 @@ def _signalled_train(
     return process.returncode, output, took, alive, config_path, first_checkpoint.parent.parent
 
 
+def _stopped_by_sigterm(rc, output, took, alive, run) -> str:
+    """Assert what every signalled run ends with; its one resume line."""
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
+    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
+    assert not (run / "RUN.lock").exists(), "the lease was released"
+    resume_lines = [line for line in output.splitlines() if "--resume" in line]
+    assert len(resume_lines) == 1, output[-3000:]
+    return resume_lines[0]
+
+
 def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
     tmp_path, runs_root, fresh_prefect_home
 ):
@@ -96,13 +107,8 @@ def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
         lambda process: process.send_signal(signal.SIGTERM),
     )
     print(f"SIGTERM to exit: {took:.1f} s")
-    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert rc == 128 + signal.SIGTERM, output[-3000:]
-    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
-    resume_lines = [line for line in output.splitlines() if "--resume" in line]
-    assert len(resume_lines) == 1, output[-3000:]
-    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
-    assert not (run / "RUN.lock").exists(), "the lease was released"
+    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    assert f"longstraw train --config {config_path} --resume" in resume_line
 
 
 def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
@@ -121,15 +127,10 @@ def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
         cli="hanging_cleanup_cli",
     )
     print(f"SIGTERM to the forced exit: {took:.1f} s")
-    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert rc == 128 + signal.SIGTERM, output[-3000:]
-    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
-    resume_lines = [line for line in output.splitlines() if "--resume" in line]
-    assert len(resume_lines) == 1, output[-3000:]
-    assert "interrupted by SIGTERM" in resume_lines[0] and "cut short" in resume_lines[0]
-    assert f"longstraw train --config {config_path} --resume" in resume_lines[0]
+    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    assert "interrupted by SIGTERM" in resume_line and "cut short" in resume_line
+    assert f"longstraw train --config {config_path} --resume" in resume_line
     assert "took too long" not in output, output[-3000:]
-    assert not (run / "RUN.lock").exists(), "the lease was removed"
 
 
 def test_sigterm_to_the_process_group_stops_train_as_promptly(
@@ -147,12 +148,7 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
         settle_s=1.0,  # the server's parent watch polls every second
     )
     print(f"group SIGTERM to exit: {took:.1f} s")
-    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert rc == 128 + signal.SIGTERM, output[-3000:]
-    assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
-    resume_lines = [line for line in output.splitlines() if "--resume" in line]
-    assert len(resume_lines) == 1, output[-3000:]
-    assert not (run / "RUN.lock").exists(), "the lease was released"
+    _stopped_by_sigterm(rc, output, took, alive, run)
     assert len(output.splitlines()) < 60, output[-3000:]
 
 

@@ -499,6 +499,20 @@ safetensors.torch.save_file = save_file
 """
 
 
+def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Path:
+    """run.yaml for two gloo ranks and the `RANK_DISK_FULL` sitecustomize in `directory`; the
+    run's root."""
+    root = directory / "root"
+    _write_run(
+        directory,
+        checkpoint,
+        {"root_uri": str(root)},
+        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 300},
+    )
+    (directory / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("rank", "prefect"),
@@ -512,14 +526,7 @@ def test_a_disk_that_fills_under_one_rank_ends_in_the_same_one_line(
     if prefect:  # the embedded default, its Prefect home beside the run
         home = fresh_prefect_home(tmp_path / "prefect")
         env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
-    root = tmp_path / "root"
-    _write_run(
-        tmp_path,
-        checkpoint_dir("llama"),
-        {"root_uri": str(root)},
-        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 300},
-    )
-    (tmp_path / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    root = _two_rank_run_with_a_disk_full_hook(tmp_path, checkpoint_dir("llama"))
     started = time.monotonic()
     fault = f"full-on-rank:{rank}"
     rc, lines = _train_watching_children(tmp_path, fault=fault, prefect=prefect, env=env)
@@ -606,14 +613,7 @@ def test_a_disk_that_fills_under_a_torchrun_rank_ends_both_nodes_at_once(tmp_pat
     summaries, c10d warnings) is the launcher's own."""
     from longstraw.distributed.launch import free_port
 
-    root = tmp_path / "root"
-    _write_run(
-        tmp_path,
-        checkpoint_dir("llama"),
-        {"root_uri": str(root)},
-        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 120},
-    )
-    (tmp_path / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    root = _two_rank_run_with_a_disk_full_hook(tmp_path, checkpoint_dir("llama"))
     path = os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
