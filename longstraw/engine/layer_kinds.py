@@ -200,70 +200,35 @@ class FullAttention(LayerKind):
             ),  # [L, T, K, Dv]
         }
 
-    def branch_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        cotangent,
-        /,
-        *,
-        leaves,
-        batch_size,
-        layer_class=PrefixAttentionLayer,
-        **kwargs,
+    def prefix_layer(
+        self, state, slot, cotangent, /, *, end=None, layer_class=PrefixAttentionLayer, **kwargs
     ):
-        del leaves, batch_size  # rows share the prefix K/V; nothing is forked
+        """The cache layer reading K/V positions [0, end) of `state` (all of them: None), adding
+        their cotangent into the same rows of `cotangent` (None: no cotangent)."""
+        rows = slice(end)
         return layer_class(
-            state.keys[slot],
-            state.values[slot],
-            grad_k_TKD=None if cotangent is None else cotangent.keys[slot],
-            grad_v_TKD=None if cotangent is None else cotangent.values[slot],
+            state.keys[slot, rows],
+            state.values[slot, rows],
+            grad_k_TKD=None if cotangent is None else cotangent.keys[slot, rows],
+            grad_v_TKD=None if cotangent is None else cotangent.values[slot, rows],
             **kwargs,
         )
 
-    def prefill_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        /,
-        *,
-        prefix_end,
-        rows,
-        checkpoint,
-        layer_class=PrefixAttentionLayer,
-        **kwargs,
-    ):
-        return layer_class(
-            state.keys[slot, :prefix_end],
-            state.values[slot, :prefix_end],
-            **self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1)),
-            **kwargs,
-        )
+    def branch_layer(self, state, slot, layer_idx, cotangent, /, *, leaves, batch_size, **kwargs):
+        del layer_idx, leaves, batch_size  # rows share the prefix K/V; nothing is forked
+        return self.prefix_layer(state, slot, cotangent, **kwargs)
+
+    def prefill_layer(self, state, slot, layer_idx, /, *, prefix_end, rows, checkpoint, **kwargs):
+        del layer_idx
+        writer = state_writer(state, rows, checkpoint + 1)
+        hooks = self.output_hooks(state.spec, slot, writer)
+        return self.prefix_layer(state, slot, None, end=prefix_end, **hooks, **kwargs)
 
     def sweep_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        cotangent,
-        /,
-        *,
-        prefix_end,
-        checkpoint,
-        leaves,
-        layer_class=PrefixAttentionLayer,
-        **kwargs,
+        self, state, slot, layer_idx, cotangent, /, *, prefix_end, checkpoint, leaves, **kwargs
     ):
-        del checkpoint, leaves
-        return layer_class(
-            state.keys[slot, :prefix_end],
-            state.values[slot, :prefix_end],
-            grad_k_TKD=cotangent.keys[slot, :prefix_end],
-            grad_v_TKD=cotangent.values[slot, :prefix_end],
-            **kwargs,
-        )
+        del layer_idx, checkpoint, leaves
+        return self.prefix_layer(state, slot, cotangent, end=prefix_end, **kwargs)
 
     def segment_layer(
         self,
@@ -278,7 +243,6 @@ class FullAttention(LayerKind):
         branch_cotangent,
         leaves,
         on_update,
-        layer_class=PrefixAttentionLayer,
         **kwargs,
     ):
         del layer_idx, leaves  # the earlier segments' K/V cotangent goes to branch_cotangent
@@ -290,14 +254,9 @@ class FullAttention(LayerKind):
             branch_cotangent.keys[slot, :a] if grad else None,
             branch_cotangent.values[slot, :a] if grad else None,
         )
-        return layer_class(
-            prompt.keys[slot],
-            prompt.values[slot],
-            grad_k_TKD=None if prompt_cotangent is None else prompt_cotangent.keys[slot],
-            grad_v_TKD=None if prompt_cotangent is None else prompt_cotangent.values[slot],
-            extra_prefix=extra,
-            **self.output_hooks(prompt.spec, slot, on_update),
-            **kwargs,
+        hooks = self.output_hooks(prompt.spec, slot, on_update)
+        return self.prefix_layer(
+            prompt, slot, prompt_cotangent, extra_prefix=extra, **hooks, **kwargs
         )
 
 
@@ -423,9 +382,7 @@ class Mla(LayerKind):
 
     def output_hooks(self, state_spec, slot, record):
         latent, rope_key, indexer_key = self.arrays
-        mla = state_spec.mla
-        layer_idx = mla.layer_indices[slot]
-        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+        index_slot = indexer_slot(state_spec.mla, state_spec.mla.layer_indices[slot])
 
         def on_update(latent_BSR, rope_BSE, index_BSD):
             entries = [(latent, slot, latent_BSR[0]), (rope_key, slot, rope_BSE[0])]
@@ -453,79 +410,36 @@ class Mla(LayerKind):
             ),  # [L_idx, T, Di]
         }
 
-    def branch_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        cotangent,
-        /,
-        *,
-        leaves,
-        batch_size,
-        layer_class=PrefixMlaLayer,
-        **kwargs,
+    def prefix_layer(
+        self, state, slot, layer_idx, cotangent, /, *, end=None, layer_class=PrefixMlaLayer, **kw
     ):
-        del leaves, batch_size  # rows share the prefix latents; nothing is forked
-        mla = state.spec.mla
-        has_indexer = layer_idx in mla.indexer_layer_indices
+        """The cache layer reading latents, rope keys (and this layer's indexer keys) at
+        positions [0, end) of `state` (all of them: None), adding the cotangent of the first two
+        into the same rows of `cotangent` (None: no cotangent)."""
+        rows = slice(end)
+        index_slot = indexer_slot(state.spec.mla, layer_idx)
         return layer_class(
-            state.latent[slot],
-            state.rope_key[slot],
-            state.indexer_key[mla.indexer_slot(layer_idx)] if has_indexer else None,
-            grad_latent_TR=None if cotangent is None else cotangent.latent[slot],
-            grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot],
-            **kwargs,
+            state.latent[slot, rows],
+            state.rope_key[slot, rows],
+            None if index_slot is None else state.indexer_key[index_slot, rows],
+            grad_latent_TR=None if cotangent is None else cotangent.latent[slot, rows],
+            grad_rope_TE=None if cotangent is None else cotangent.rope_key[slot, rows],
+            **kw,
         )
 
-    def prefill_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        /,
-        *,
-        prefix_end,
-        rows,
-        checkpoint,
-        layer_class=PrefixMlaLayer,
-        **kwargs,
-    ):
-        mla = state.spec.mla
-        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
-        return layer_class(
-            state.latent[slot, :prefix_end],
-            state.rope_key[slot, :prefix_end],
-            None if index_slot is None else state.indexer_key[index_slot, :prefix_end],
-            **self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1)),
-            **kwargs,
-        )
+    def branch_layer(self, state, slot, layer_idx, cotangent, /, *, leaves, batch_size, **kwargs):
+        del leaves, batch_size  # rows share the prefix latents; nothing is forked
+        return self.prefix_layer(state, slot, layer_idx, cotangent, **kwargs)
+
+    def prefill_layer(self, state, slot, layer_idx, /, *, prefix_end, rows, checkpoint, **kwargs):
+        hooks = self.output_hooks(state.spec, slot, state_writer(state, rows, checkpoint + 1))
+        return self.prefix_layer(state, slot, layer_idx, None, end=prefix_end, **hooks, **kwargs)
 
     def sweep_layer(
-        self,
-        state,
-        slot,
-        layer_idx,
-        cotangent,
-        /,
-        *,
-        prefix_end,
-        checkpoint,
-        leaves,
-        layer_class=PrefixMlaLayer,
-        **kwargs,
+        self, state, slot, layer_idx, cotangent, /, *, prefix_end, checkpoint, leaves, **kwargs
     ):
         del checkpoint, leaves
-        mla = state.spec.mla
-        has_indexer = layer_idx in mla.indexer_layer_indices
-        return layer_class(
-            state.latent[slot, :prefix_end],
-            state.rope_key[slot, :prefix_end],
-            state.indexer_key[mla.indexer_slot(layer_idx), :prefix_end] if has_indexer else None,
-            grad_latent_TR=cotangent.latent[slot, :prefix_end],
-            grad_rope_TE=cotangent.rope_key[slot, :prefix_end],
-            **kwargs,
-        )
+        return self.prefix_layer(state, slot, layer_idx, cotangent, end=prefix_end, **kwargs)
 
     def segment_layer(
         self,
@@ -544,24 +458,28 @@ class Mla(LayerKind):
         **kwargs,
     ):
         a, _ = branch.bounds[k]
-        mla = prompt.spec.mla
-        index_slot = mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
+        index_slot = indexer_slot(prompt.spec.mla, layer_idx)
         latent, rope = branch.latent[slot, :a], branch.rope_key[slot, :a]
         if branch_cotangent is not None:
             latent = latent.detach().requires_grad_(True)
             rope = rope.detach().requires_grad_(True)
             leaves[slot] = (latent, rope)
         index = None if index_slot is None else branch.indexer_key[index_slot, :a]
-        return layer_class(
-            prompt.latent[slot],
-            prompt.rope_key[slot],
-            None if index_slot is None else prompt.indexer_key[index_slot],
-            grad_latent_TR=None if prompt_cotangent is None else prompt_cotangent.latent[slot],
-            grad_rope_TE=None if prompt_cotangent is None else prompt_cotangent.rope_key[slot],
-            **self.output_hooks(prompt.spec, slot, on_update),
+        return self.prefix_layer(
+            prompt,
+            slot,
+            layer_idx,
+            prompt_cotangent,
+            layer_class=layer_class,
             earlier=(latent, rope, index),
+            **self.output_hooks(prompt.spec, slot, on_update),
             **kwargs,
         )
+
+
+def indexer_slot(mla, layer_idx: int) -> int | None:
+    """The slot of decoder layer `layer_idx` in the indexer keys (None: the layer has none)."""
+    return mla.indexer_slot(layer_idx) if layer_idx in mla.indexer_layer_indices else None
 
 
 LAYER_KINDS: tuple[LayerKind, ...] = (FullAttention(), GatedDeltaNet(), Mla())
