@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.cache import StateCache
-from longstraw.engine.delta_rule import delta_rule_backward_recomputed
+from longstraw.engine.delta_rule import delta_rule_backward_recomputed, kernel_outputs_kept
 from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
@@ -54,8 +54,13 @@ _MARK = "longstraw_blockwise"
 
 
 # True while a shard's backward runs: layer checkpoints then recompute only to restore saved
-# tensors, and the MLP's output is not one of them.
+# tensors, and the MLP's output is not one of them (the delta rule's output is, and is kept
+# from the first forward: `delta_rule.kernel_outputs_kept`).
 _LAYER_RECOMPUTE_SKIPS_MLP = [False]
+
+
+def _in_shard_backward() -> bool:
+    return _LAYER_RECOMPUTE_SKIPS_MLP[0]
 
 
 def _no_output(x: torch.Tensor) -> torch.Tensor:
@@ -226,17 +231,18 @@ def sweep_shard(
         record=outputs,
         kind_kwargs=exchange.owner_kind_kwargs(state, shard),
     )
-    with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
-        cache = StateCache(layers, position_offset=start)
-        run_shard_forward(model, state.prompt_ids, cache, start, end)
-    with exchange.attention_enabled(model), _mlp_skipped_in_layer_recompute():
-        backward_recomputed_span(
-            outputs,
-            state,
-            cotangent,
-            rows=state.local_rows(start, end),
-            end_checkpoint=state.local_checkpoint(shard) + 1,
-            what=exchange.shard_name(state, shard),
-            remedy=STATE_MISMATCH_REMEDY,
-        )
+    with kernel_outputs_kept(_in_shard_backward):
+        with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
+            cache = StateCache(layers, position_offset=start)
+            run_shard_forward(model, state.prompt_ids, cache, start, end)
+        with exchange.attention_enabled(model), _mlp_skipped_in_layer_recompute():
+            backward_recomputed_span(
+                outputs,
+                state,
+                cotangent,
+                rows=state.local_rows(start, end),
+                end_checkpoint=state.local_checkpoint(shard) + 1,
+                what=exchange.shard_name(state, shard),
+                remedy=STATE_MISMATCH_REMEDY,
+            )
     take_start_cotangent(leaves, cotangent)
