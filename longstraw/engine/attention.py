@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from longstraw.engine import first_pass
 from longstraw.models.glm import is_glm, mla_attention_installed
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.decode_attention import decode_attention
-from longstraw.ops.prefix_attention import prefix_cached_attention
+from longstraw.ops.prefix_attention import prefix_attention_outputs, prefix_cached_attention
 
 ATTENTION_NAME = "longstraw_prefix"
 CACHE_KWARG = "longstraw_cache"
@@ -60,18 +61,26 @@ def longstraw_attention(
     # longer overlay) runs without autograd and reads the prefix once for all rows.
     decoding = layer.keep_branch or key_BKSD.shape[2] != query_BHSD.shape[2]
     if not decoding:
+        # A long branch's earlier segments (engine/segmented_replay.py), else None.
+        extra_prefix = getattr(layer, "extra_prefix", None)
+        inputs = (query_BHSD, key_BKSD, value_BKSD, layer.prefix_k_TKD, layer.prefix_v_TKD)
+        outputs = None
+        kept = first_pass.active()
+        if kept is not None and torch.is_grad_enabled():
+            outputs = kept.kept_or_computed(
+                module,
+                lambda: prefix_attention_outputs(
+                    *inputs, scale=scale, chunk_size=PREFIX_CHUNK_TOKENS, extra_prefix=extra_prefix
+                ),
+            )
         out_BHSD = prefix_cached_attention(
-            query_BHSD,
-            key_BKSD,
-            value_BKSD,
-            layer.prefix_k_TKD,
-            layer.prefix_v_TKD,
+            *inputs,
             scale=scale,
             chunk_size=PREFIX_CHUNK_TOKENS,
             prefix_grad_k_TKD=layer.grad_k_TKD,
             prefix_grad_v_TKD=layer.grad_v_TKD,
-            # A long branch's earlier segments (engine/segmented_replay.py), else None.
-            extra_prefix=getattr(layer, "extra_prefix", None),
+            extra_prefix=extra_prefix,
+            outputs=outputs,
         )
     else:
         out_BHSD = decode_attention(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from longstraw.engine import first_pass
 from longstraw.models.adapters import decoder_of
 from longstraw.ops.blockwise_backward import gated_delta_rule_recomputed_in_blocks
 from longstraw.ops.decay_gate import DecayGate
@@ -69,46 +70,10 @@ class _GateCapture:
 _CAPTURE = _GateCapture()
 
 
-class _FirstPassOutputs:
-    """Each Gated DeltaNet layer's kernel outputs of its first forward, kept for activation
-    checkpointing's recompute of the same layer in backward (`kernel_outputs_kept`).
-
-    The recompute runs the layer on the same input again only to rebuild what its backward
-    saves; the blockwise kernel saves its inputs and recomputes in blocks, so its own forward
-    would be computed once more for outputs that are already known, bit for bit."""
-
-    outputs: dict[nn.Module, tuple[torch.Tensor, torch.Tensor | None]] | None = None
-    in_recompute: Callable[[], bool] = staticmethod(lambda: False)
-
-
-_FIRST_PASS = _FirstPassOutputs()
-
-
-def _first_pass_or_computed(kernel: Callable, layer: nn.Module | None, *args, **kwargs):
-    """`kernel(*args, **kwargs)`, or the outputs kept from `layer`'s first forward."""
-    outputs = _FIRST_PASS.outputs
-    if _FIRST_PASS.in_recompute():
-        kept = outputs.pop(layer, None)
-        return kernel(*args, **kwargs) if kept is None else kept
-    out, final = kernel(*args, **kwargs)
-    if layer is not None:
-        # Aliases without history: the recompute's autograd node takes them as its outputs.
-        outputs[layer] = (out.detach(), None if final is None else final.detach())
-    return out, final
-
-
-@contextlib.contextmanager
-def kernel_outputs_kept(in_recompute: Callable[[], bool]) -> Iterator[None]:
-    """Inside the block, the blockwise delta rule keeps each layer's kernel outputs from its
-    first forward and, while `in_recompute()` (a checkpointed layer recomputed in backward),
-    returns them instead of running the kernel again. They share storage with the first
-    forward's outputs: [B, T, Hv, Dv] and the final state per layer, until the recompute."""
-    previous = (_FIRST_PASS.outputs, _FIRST_PASS.in_recompute)
-    _FIRST_PASS.outputs, _FIRST_PASS.in_recompute = {}, in_recompute
-    try:
-        yield
-    finally:
-        _FIRST_PASS.outputs, _FIRST_PASS.in_recompute = previous
+def _kept_or_computed(kept: first_pass.FirstPassOutputs, layer: nn.Module, kernel, *args, **kw):
+    """The kernel's (output, final state) for `layer`, kept from its first forward for the
+    layer's recompute in backward (`engine.first_pass`)."""
+    return kept.kept_or_computed(layer, lambda: kernel(*args, **kw))
 
 
 def _enter_layer(layer: nn.Module, args) -> None:
@@ -181,8 +146,9 @@ def delta_rule_backward_recomputed(
             else:
                 args = (*args[:3], _CAPTURE.gate_for(args[3]), *args[4:])
             kernel = _original
-            if _FIRST_PASS.outputs is not None:
-                kernel = functools.partial(_first_pass_or_computed, _original, _CAPTURE.layer)
+            kept = first_pass.active()
+            if kept is not None and _CAPTURE.layer is not None:
+                kernel = functools.partial(_kept_or_computed, kept, _CAPTURE.layer, _original)
             return gated_delta_rule_recomputed_in_blocks(
                 kernel, *args, block_tokens=block_tokens(), **kwargs
             )

@@ -33,8 +33,9 @@ from transformers import PreTrainedModel
 
 from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.cache import StateCache
-from longstraw.engine.delta_rule import delta_rule_backward_recomputed, kernel_outputs_kept
+from longstraw.engine.delta_rule import delta_rule_backward_recomputed
 from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.first_pass import first_pass_outputs_kept
 from longstraw.engine.layer_kinds import sweep_layers
 from longstraw.engine.prefill import run_shard_forward
 from longstraw.engine.recomputed_span import (
@@ -55,7 +56,7 @@ _MARK = "longstraw_blockwise"
 
 # True while a shard's backward runs: layer checkpoints then recompute only to restore saved
 # tensors, and the MLP's output is not one of them (the delta rule's output is, and is kept
-# from the first forward: `delta_rule.kernel_outputs_kept`).
+# from the first forward, as the prefix attention's: `engine.first_pass`).
 _LAYER_RECOMPUTE_SKIPS_MLP = [False]
 
 
@@ -231,7 +232,7 @@ def sweep_shard(
         record=outputs,
         kind_kwargs=exchange.owner_kind_kwargs(state, shard),
     )
-    with kernel_outputs_kept(_in_shard_backward):
+    with first_pass_outputs_kept(_in_shard_backward):
         with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
             cache = StateCache(layers, position_offset=start)
             run_shard_forward(model, state.prompt_ids, cache, start, end)

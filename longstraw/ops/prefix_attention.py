@@ -193,6 +193,76 @@ def _flash_forward(
     return out, lse
 
 
+def _attention_outputs(
+    q_BHRD: Tensor,
+    k_branch_BKRD: Tensor,
+    v_branch_BKRD: Tensor,
+    prefixes: list,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """(out_BHRV in q's dtype, lse_BKGR fp32 or wider) of the branch queries over every prefix
+    of `prefixes` ((k, v, grad_k, grad_v) each) and the branch keys, causally."""
+    batch, num_heads, branch_len, _ = q_BHRD.shape
+    num_kv_heads = k_branch_BKRD.shape[1]
+    num_groups = num_heads // num_kv_heads
+    value_dim = v_branch_BKRD.shape[-1]
+    # Accumulate in fp32 for bf16/fp16 inputs; fp64 stays fp64 (lets gradcheck run).
+    dtype = torch.promote_types(q_BHRD.dtype, torch.float32)
+    k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
+    v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
+
+    out_BKGRV = q_BHRD.new_empty(
+        (batch, num_kv_heads, num_groups, branch_len, value_dim), dtype=dtype
+    )
+    lse_BKGR = q_BHRD.new_empty((batch, num_kv_heads, num_groups, branch_len), dtype=dtype)
+    kernel = _forward_kernel(q_BHRD, v_branch_BKRD, prefixes)
+    use_flash = kernel == dispatch.ATEN_CPU_FLASH
+    if use_flash:
+        out_BHRV32, lse_BHR = _flash_forward(
+            q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale, chunk_size
+        )
+        out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
+        lse_BKGR = lse_BHR.view(lse_BKGR.shape)
+    else:
+        dispatch.ran("full_attention.branch", dispatch.TORCH)
+    # flash-attn: each prefix's partial over all queries at once ([B, H, R, V] fp32), merged
+    # into every query chunk's branch partial below in the loop's order.
+    gpu_partials = {}
+    if kernel == dispatch.FLASH_ATTN:
+        for i, (k_p_TKD, v_p_TKD, _, _) in enumerate(prefixes):
+            if k_p_TKD.shape[0] > 0:
+                gpu_partials[i] = flash_prefix_partial(q_BHRD, k_p_TKD, v_p_TKD, scale, chunk_size)
+    elif not use_flash:
+        dispatch.ran("full_attention.prefix", dispatch.TORCH)
+    for start, end in [] if use_flash else _query_chunks(branch_len, chunk_size):
+        q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
+        out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
+        for i in reversed(range(len(prefixes))):
+            k_p_TKD, v_p_TKD = prefixes[i][:2]
+            if k_p_TKD.shape[0] == 0:
+                continue
+            if i in gpu_partials:
+                out_p_BHRV, lse_p_BHR = gpu_partials[i]
+                out_p_KBNV = _fold(out_p_BHRV, num_kv_heads, start, end, dtype)
+                lse_p_KBN = _fold(lse_p_BHR[..., None], num_kv_heads, start, end, dtype)[..., 0]
+                out_KBNV, lse_KBN = merge_partial_attention(
+                    out_p_KBNV, lse_p_KBN, out_KBNV, lse_KBN
+                )
+                continue
+            # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
+            out_p_KMV, lse_p_KM = _prefix_partial(
+                q_KBND.flatten(1, 2), k_p_TKD, v_p_TKD, chunk_size
+            )
+            out_KBNV, lse_KBN = merge_partial_attention(
+                out_p_KMV.view(out_KBNV.shape), lse_p_KM.view(lse_KBN.shape), out_KBNV, lse_KBN
+            )
+        out_BKGRV[:, :, :, start:end] = _unfold(out_KBNV, num_groups)
+        lse_BKGR[:, :, :, start:end] = _unfold(lse_KBN[..., None], num_groups)[..., 0]
+
+    return out_BKGRV.view(batch, num_heads, branch_len, value_dim).to(q_BHRD.dtype), lse_BKGR
+
+
 class _PrefixCachedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -207,72 +277,19 @@ class _PrefixCachedAttention(torch.autograd.Function):
         prefix_grad_k_TKD: Tensor | None,
         prefix_grad_v_TKD: Tensor | None,
         extra_prefix: tuple | None = None,
+        outputs: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         # Every prefix as (k, v, grad_k, grad_v): the prompt's, then an optional second one (a
         # long branch's own earlier segments, longstraw.engine.segmented_replay).
         prefixes = [(k_prefix_TKD, v_prefix_TKD, prefix_grad_k_TKD, prefix_grad_v_TKD)]
         if extra_prefix is not None:
             prefixes.append(tuple(extra_prefix))
-        batch, num_heads, branch_len, _ = q_BHRD.shape
-        num_kv_heads = k_branch_BKRD.shape[1]
-        num_groups = num_heads // num_kv_heads
-        value_dim = v_branch_BKRD.shape[-1]
-        # Accumulate in fp32 for bf16/fp16 inputs; fp64 stays fp64 (lets gradcheck run).
-        dtype = torch.promote_types(q_BHRD.dtype, torch.float32)
-        k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
-        v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
-
-        out_BKGRV = q_BHRD.new_empty(
-            (batch, num_kv_heads, num_groups, branch_len, value_dim), dtype=dtype
-        )
-        lse_BKGR = q_BHRD.new_empty((batch, num_kv_heads, num_groups, branch_len), dtype=dtype)
-        kernel = _forward_kernel(q_BHRD, v_branch_BKRD, prefixes)
-        use_flash = kernel == dispatch.ATEN_CPU_FLASH
-        if use_flash:
-            out_BHRV32, lse_BHR = _flash_forward(
-                q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale, chunk_size
+        if outputs is None:
+            out_BHRV, lse_BKGR = _attention_outputs(
+                q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, scale, chunk_size
             )
-            out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
-            lse_BKGR = lse_BHR.view(lse_BKGR.shape)
         else:
-            dispatch.ran("full_attention.branch", dispatch.TORCH)
-        # flash-attn: each prefix's partial over all queries at once ([B, H, R, V] fp32), merged
-        # into every query chunk's branch partial below in the loop's order.
-        gpu_partials = {}
-        if kernel == dispatch.FLASH_ATTN:
-            for i, (k_p_TKD, v_p_TKD, _, _) in enumerate(prefixes):
-                if k_p_TKD.shape[0] > 0:
-                    gpu_partials[i] = flash_prefix_partial(
-                        q_BHRD, k_p_TKD, v_p_TKD, scale, chunk_size
-                    )
-        elif not use_flash:
-            dispatch.ran("full_attention.prefix", dispatch.TORCH)
-        for start, end in [] if use_flash else _query_chunks(branch_len, chunk_size):
-            q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
-            out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
-            for i in reversed(range(len(prefixes))):
-                k_p_TKD, v_p_TKD = prefixes[i][:2]
-                if k_p_TKD.shape[0] == 0:
-                    continue
-                if i in gpu_partials:
-                    out_p_BHRV, lse_p_BHR = gpu_partials[i]
-                    out_p_KBNV = _fold(out_p_BHRV, num_kv_heads, start, end, dtype)
-                    lse_p_KBN = _fold(lse_p_BHR[..., None], num_kv_heads, start, end, dtype)[..., 0]
-                    out_KBNV, lse_KBN = merge_partial_attention(
-                        out_p_KBNV, lse_p_KBN, out_KBNV, lse_KBN
-                    )
-                    continue
-                # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
-                out_p_KMV, lse_p_KM = _prefix_partial(
-                    q_KBND.flatten(1, 2), k_p_TKD, v_p_TKD, chunk_size
-                )
-                out_KBNV, lse_KBN = merge_partial_attention(
-                    out_p_KMV.view(out_KBNV.shape), lse_p_KM.view(lse_KBN.shape), out_KBNV, lse_KBN
-                )
-            out_BKGRV[:, :, :, start:end] = _unfold(out_KBNV, num_groups)
-            lse_BKGR[:, :, :, start:end] = _unfold(lse_KBN[..., None], num_groups)[..., 0]
-
-        out_BHRV = out_BKGRV.view(batch, num_heads, branch_len, value_dim).to(q_BHRD.dtype)
+            out_BHRV, lse_BKGR = outputs
         # Only branch-sized tensors go through save_for_backward. The prefix (and the gradient
         # buffers) are held as attributes: they are the prompt state and outlive the graph.
         ctx.save_for_backward(q_BHRD, k_branch_BKRD, v_branch_BKRD, out_BHRV, lse_BKGR)
@@ -384,13 +401,7 @@ class _PrefixCachedAttention(torch.autograd.Function):
             grad_q_BHRD,
             grad_k_KBRD.transpose(0, 1).to(k_branch_BKRD.dtype),
             grad_v_KBRV.transpose(0, 1).to(v_branch_BKRD.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *[None] * 8,  # prefix K/V, scale, chunk size, gradient buffers, extra prefix, outputs
         )
 
 
@@ -493,6 +504,7 @@ def prefix_cached_attention(
     prefix_grad_k_TKD: Tensor | None = None,
     prefix_grad_v_TKD: Tensor | None = None,
     extra_prefix: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None,
+    outputs: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Softmax attention of branch queries over [prefix ; branch]; returns out_BHRV in q's dtype.
 
@@ -509,6 +521,10 @@ def prefix_cached_attention(
     `extra_prefix` = (k [T2, K, D], v [T2, K, V], grad_k, grad_v): a second prefix every query
     also sees whole, between the first and the branch (a long branch's earlier segments on top
     of the prompt); same rules as the first, its gradient added into its own buffers.
+
+    `outputs`: what `prefix_attention_outputs` gave for these same inputs (a checkpointed layer
+    recomputed in backward); the forward then keeps them for backward instead of computing them
+    again.
     """
     if extra_prefix is not None:
         k2, v2, grad_k2, grad_v2 = extra_prefix
@@ -534,4 +550,27 @@ def prefix_cached_attention(
         prefix_grad_k_TKD,
         prefix_grad_v_TKD,
         extra_prefix,
+        outputs,
+    )
+
+
+@torch.no_grad()
+def prefix_attention_outputs(
+    q_BHRD: Tensor,
+    k_branch_BKRD: Tensor,
+    v_branch_BKRD: Tensor,
+    k_prefix_TKD: Tensor,
+    v_prefix_TKD: Tensor,
+    *,
+    scale: float,
+    chunk_size: int = 1024,
+    extra_prefix: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out_BHRV in q's dtype, lse_BKGR) of `prefix_cached_attention` on the same inputs, without
+    autograd: what its forward computes and keeps for backward."""
+    prefixes = [(k_prefix_TKD, v_prefix_TKD, None, None)]
+    if extra_prefix is not None:
+        prefixes.append(tuple(extra_prefix))
+    return _attention_outputs(
+        q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, float(scale), chunk_size
     )
