@@ -102,12 +102,15 @@ def storage_fault(
     for error in chain:
         if isinstance(error, StateIntegrityError):
             return damaged_state(error)
-    for error in chain:
-        if isinstance(error, OSError) and error.errno in _FULL | _READ_ONLY | _DENIED | _IO:
-            return _os_fault(error.errno, error.filename, config, doing)
+    # Before the OSErrors: s3fs turns an S3 error answer into one (HTTP 500 -> EREMOTEIO,
+    # 503 -> EBUSY, an unknown code -> EIO, AccessDenied -> PermissionError), which would read
+    # as a fault of the local volume.
     for error in chain:
         if (fault := _s3_fault(error, config)) is not None:
             return fault
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in _FULL | _READ_ONLY | _DENIED | _IO:
+            return _os_fault(error.errno, error.filename, config, doing)
     for error in chain:
         match = _ERRNO_IN_TEXT.search(str(error))
         code = int(match.group(1) or match.group(2)) if match else None
@@ -202,36 +205,99 @@ def _step_writes(config: RunConfig) -> dict[str, int] | None:
     return writes
 
 
+_S3_CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AccountProblem",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "RequestTimeTooSkewed",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
+)
+"""S3 error codes that mean the credentials no longer do (a session token expired, a key was
+revoked, this machine's clock drifted): the preflight's probe passed with them at the start."""
+
+
 def _s3_fault(error: BaseException, config: RunConfig) -> StorageFault | None:
     try:
+        from botocore.exceptions import ClientError, HTTPClientError
         from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
     except ImportError:
         return None
+    storage = config.storage
+    reach = (
+        "check that the S3 server is running and reachable there (storage.s3_endpoint_url, "
+        "AWS_ENDPOINT_URL_S3)"
+    )
+    if isinstance(error, ClientError):
+        # An answer, after botocore's retries (which retry 5xx and throttling): the server's
+        # trouble or the credentials'; any other code (NoSuchKey, …) is not the storage's fault.
+        code = error.response.get("Error", {}).get("Code", "?")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        answered = f"answered HTTP {status} {code} to {error.operation_name}"
+        endpoint = _endpoint(None, storage)
+        if status >= 500:
+            what = f"{endpoint} {answered} at {storage.root_uri}"
+            fix = reach + " and that its disks and logs are healthy"
+        elif code in _S3_CREDENTIAL_CODES or status == 403:
+            what = f"{endpoint} refused the credentials ({answered}) at {storage.root_uri}"
+            fix = (
+                "renew or correct them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN: "
+                "a session token expires; AWS_PROFILE), check that they may write under "
+                f"{storage.root_uri} and that this machine's clock is right"
+            )
+        else:
+            return None
+        return StorageFault(
+            f"{what}, after {storage.s3_max_attempts} attempts",
+            fix,
+            path=storage.root_uri,
+            kind="s3",
+        )
     if not isinstance(error, BotoConnectionError | HTTPClientError):
         return None
     from longstraw.storage.s3_client import failure_description
 
-    storage = config.storage
     what = failure_description(error, None, storage.s3_read_timeout_s) or (
         f"failed ({type(error).__name__}: {error})"
     )
     url = getattr(error, "kwargs", {}).get("endpoint_url")
-    # http://host:port/bucket/key?query -> s3://bucket/key (a query may carry an upload id).
-    url = f"s3://{urlsplit(url).path.lstrip('/')}" if url else storage.root_uri
-    endpoint = storage.s3_endpoint_url or "the S3 endpoint"
-    fix = (
-        "check that the S3 server is running and reachable there (storage.s3_endpoint_url, "
-        "AWS_ENDPOINT_URL_S3)"
-    )
+    fix = reach
     if "did not answer" in what:
         fix += ", or raise storage.s3_read_timeout_s for a slow one"
     return StorageFault(
-        f"S3 endpoint {endpoint} {what} at {url}, after {storage.s3_max_attempts} attempts",
+        f"{_endpoint(url, storage)} {what} at {_object_uri(url, storage)}, after "
+        f"{storage.s3_max_attempts} attempts",
         fix,
-        path=url,
+        path=_object_uri(url, storage),
         kind="s3",
     )
+
+
+def _endpoint(url: str | None, storage) -> str:
+    """'S3 endpoint http://host:port' of the request that failed (a rank's own route, the
+    environment's AWS_ENDPOINT_URL_S3), else of the config; 'the S3 endpoint' for AWS's."""
+    parts = urlsplit(url) if url else None
+    endpoint = f"{parts.scheme}://{parts.netloc}" if parts and parts.netloc else None
+    endpoint = endpoint or storage.s3_endpoint_url
+    return f"S3 endpoint {endpoint}" if endpoint else "the S3 endpoint"
+
+
+def _object_uri(url: str | None, storage) -> str:
+    """http://host:port/bucket/key?query (or https://bucket.host/key) -> s3://bucket/key; the
+    root when unknown. The query may carry an upload id: never said."""
+    if not url:
+        return storage.root_uri
+    parts = urlsplit(url)
+    path = parts.path.lstrip("/")
+    bucket = urlsplit(storage.root_uri).netloc
+    if bucket and parts.netloc.startswith(f"{bucket}."):  # virtual-hosted style
+        path = f"{bucket}/{path}"
+    return f"s3://{path}"
 
 
 def damaged_state(error: StateIntegrityError) -> StorageFault:

@@ -24,8 +24,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import BUCKET
+from helpers import assert_bitwise_equal
 
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
@@ -38,7 +40,9 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_LINES = 10  # the run header (a long root wraps it), progress bars, a warning or two, the error
 
 # A reward that does the fault's damage on its third call (the first sample of step 1), then
-# scores like any other: the run is in the middle of a step with one checkpoint committed.
+# scores like any other: the run is in the middle of a step with one checkpoint committed. Its
+# score depends on the response, so the steps' gradients are not zero and a resumed run's final
+# weights say whether it redid the step as the uninterrupted run did.
 HOOK = """
 import os, subprocess
 
@@ -61,7 +65,7 @@ def fault(prompt, response, metadata):
             with open(path, "w") as control:
                 control.write(mode)
             __import__("time").sleep(0.3)  # the proxy looks every 50 ms
-    return 0.5
+    return sum(response.encode()) % 7 / 6
 
 
 def shutil_free(path):
@@ -224,6 +228,65 @@ def test_s3_errors_name_the_endpoint_the_object_and_the_setting(tmp_path):
     assert "secret" not in str(refused) and "storage.s3_endpoint_url" in str(refused)
     frozen = storage_fault(ReadTimeoutError(endpoint_url=url), config)
     assert "did not answer within 7 s" in str(frozen) and "s3_read_timeout_s" in str(frozen)
+
+
+def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_volumes(tmp_path):
+    """s3fs turns an S3 error answer into an OSError (503 SlowDown -> EBUSY, 500 -> EREMOTEIO,
+    an unknown code -> EIO, AccessDenied -> PermissionError without an errno). Said as the
+    endpoint's or the credentials' fault, never as a local device's, and a StorageFault, which
+    Prefect's task retries leave alone (`orchestration.policies.retry_on_transient`)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from s3fs.errors import translate_boto_error
+
+    from longstraw.orchestration.policies import retry_on_transient
+
+    root = f"s3://{BUCKET}/p"
+    # AWS itself: no endpoint setting to name.
+    config = _config(
+        tmp_path,
+        root_uri=root,
+        local_dir=str(tmp_path / "local"),
+        s3_endpoint_url=None,
+        s3_max_attempts=3,
+    )
+
+    def answered(code: str, status: int, operation: str = "PutObject") -> BaseException:
+        error = ClientError(
+            {
+                "Error": {"Code": code, "Message": "m"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
+            operation,
+        )
+        return translate_boto_error(error)  # what reaches the stage, the ClientError its cause
+
+    for code, status in (("SlowDown", 503), ("InternalError", 500), ("WeirdFailure", 502)):
+        fault = storage_fault(answered(code, status), config)
+        assert fault.kind == "s3", (code, fault)
+        assert f"the S3 endpoint answered HTTP {status} {code} to PutObject at {root}" in str(fault)
+        assert "after 3 attempts" in str(fault) and "dmesg" not in str(fault)
+    for code, status in (("ExpiredToken", 400), ("AccessDenied", 403)):
+        fault = storage_fault(answered(code, status, "GetObject"), config)
+        assert fault.kind == "s3" and "refused the credentials" in str(fault), fault
+        assert "AWS_SESSION_TOKEN" in str(fault) and f"may write under {root}" in str(fault)
+    assert storage_fault(answered("NoSuchKey", 404), config) is None  # not the storage's fault
+
+    # A rank's own route (or the environment's endpoint) is the endpoint named, and an AWS
+    # virtual-hosted URL still names its bucket.
+    url = f"https://{BUCKET}.s3.eu-west-1.amazonaws.com/p/a/COMMITTED.json"
+    fault = storage_fault(EndpointConnectionError(endpoint_url=url), config)
+    assert str(fault).startswith(
+        f"S3 endpoint https://{BUCKET}.s3.eu-west-1.amazonaws.com cannot be reached "
+        f"(EndpointConnectionError) at s3://{BUCKET}/p/a/COMMITTED.json, after 3 attempts"
+    ), fault
+
+    # Prefect retries no storage fault: botocore's attempts (storage.s3_max_attempts, with
+    # backoff) are the one bound on an S3 stall, and a task retry would redo the stage's compute.
+    class Failed:
+        def result(self):
+            raise fault
+
+    assert retry_on_transient(None, None, Failed()) is False
 
 
 def test_a_lease_that_cannot_be_removed_is_said_with_how_to_remove_it(tmp_path, monkeypatch):
@@ -474,43 +537,99 @@ def test_a_frozen_endpoint_is_a_bounded_wait_with_a_warning(s3_env, caplog):
             sock.close()
 
 
-# A disk that fills under one rank only (a node's own volume): every process imports this
-# sitecustomize (the test's directory is first on PYTHONPATH), and the write of rank R's
-# optimizer rows into step 1's checkpoint (each rank writes its own part) fails as a full disk
-# does. The other rank is then inside the same stage, in collectives rank R never joins.
-RANK_DISK_FULL = """
-import errno, os
+# Faults under one rank only, every process importing this sitecustomize (the test's directory
+# is first on PYTHONPATH):
+# - FAULT=full-on-rank:R / read-only-on-rank:R: the write of rank R's optimizer rows into step 1's
+#   checkpoint (each rank writes its own part) fails as a full disk (a node's own volume) or a
+#   volume remounted read-only does. The other rank is then inside the same stage, in
+#   collectives rank R never joins.
+# - RANK1_S3_ENDPOINT: rank 1's own route to the S3 endpoint (a node's network path), a proxy
+#   whose control file rank 1 sets to FAULT=route-down:<file> / route-frozen:<file> as it writes
+#   its part of step 0's checkpoint (no S3 traffic): its next S3 request is step 1's prefill.
+#   Rank 0's route stays up.
+RANK_FAULTS = """
+import errno, os, time
 
 import safetensors.torch
 
 _save_file = safetensors.torch.save_file
+_ERRORS = {
+    "full-on-rank": (errno.ENOSPC, "No space left on device"),
+    "read-only-on-rank": (errno.EROFS, "Read-only file system"),
+}
 
 
 def save_file(tensors, filename, *args, **kwargs):
     kind, _, rank = os.environ.get("FAULT", "").partition(":")
-    if kind == "full-on-rank" and "/v000002.tmp-" in str(filename) and str(filename).endswith(
+    if kind.startswith("route-") and "/v000001.tmp-" in str(filename) and str(filename).endswith(
+        "/optimizer-rank1-of-2.safetensors"
+    ):
+        with open(rank, "w") as control:  # the proxy's control file
+            control.write(kind.removeprefix("route-"))
+        time.sleep(0.3)  # the proxy looks every 50 ms
+    if kind in _ERRORS and "/v000002.tmp-" in str(filename) and str(filename).endswith(
         f"/optimizer-rank{rank}-of-2.safetensors"
     ):
-        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        raise OSError(*_ERRORS[kind], str(filename))
     return _save_file(tensors, filename, *args, **kwargs)
 
 
 safetensors.torch.save_file = save_file
+
+if os.environ.get("RANK1_S3_ENDPOINT"):
+    import longstraw.storage.paths as paths
+
+    _storage_options = paths.storage_options
+
+    def storage_options(uri, config=None):
+        if os.environ.get("LOCAL_RANK") == "1":  # set on a spawned rank before it serves
+            config = (config or paths.StorageConfig()).model_copy(
+                update={"s3_endpoint_url": os.environ["RANK1_S3_ENDPOINT"]}
+            )
+        return _storage_options(uri, config)
+
+    paths.storage_options = storage_options
 """
 
 
-def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Path:
-    """run.yaml for two gloo ranks and the `RANK_DISK_FULL` sitecustomize in `directory`; the
-    run's root."""
-    root = directory / "root"
+def _two_rank_run(directory: Path, checkpoint: Path, storage: dict) -> None:
+    """run.yaml for two gloo ranks and the `RANK_FAULTS` sitecustomize in `directory`."""
     _write_run(
         directory,
         checkpoint,
-        {"root_uri": str(root)},
+        storage,
         parallel={"world_size": 2, "backend": "gloo", "timeout_s": 300},
     )
-    (directory / "sitecustomize.py").write_text(RANK_DISK_FULL)
+    (directory / "sitecustomize.py").write_text(RANK_FAULTS)
+
+
+def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Path:
+    """`_two_rank_run` on a local root; the root."""
+    root = directory / "root"
+    _two_rank_run(directory, checkpoint, {"root_uri": str(root)})
     return root
+
+
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's safetensors files (weights, each rank's optimizer rows)."""
+    from safetensors.torch import load_file
+
+    return {
+        f"{file.name}:{name}": tensor
+        for file in sorted(checkpoint.glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_final(tmp_path_factory, checkpoint_dir) -> dict[str, torch.Tensor]:
+    """The final checkpoint's tensors of the two-rank run uninterrupted (both steps, no fault):
+    what every two-rank run below must end on after its `--resume`."""
+    directory = tmp_path_factory.mktemp("two-rank-uninterrupted")
+    root = _two_rank_run_with_a_disk_full_hook(directory, checkpoint_dir("llama"))
+    rc, lines = _train(directory)
+    assert rc == 0, "\n".join(lines)[-4000:]
+    return _tensors(root / "runs" / "faulty" / "checkpoints" / "v000002")
 
 
 @pytest.mark.slow
@@ -520,7 +639,7 @@ def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Pa
     ids=["rank1", "rank0", "rank1-prefect"],
 )
 def test_a_disk_that_fills_under_one_rank_ends_in_the_same_one_line(
-    rank, prefect, tmp_path, checkpoint_dir, fresh_prefect_home
+    rank, prefect, tmp_path, checkpoint_dir, fresh_prefect_home, request
 ):
     env = {}
     if prefect:  # the embedded default, its Prefect home beside the run
@@ -550,16 +669,83 @@ def test_a_disk_that_fills_under_one_rank_ends_in_the_same_one_line(
     assert rc == 0, "\n".join(lines)[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert_bitwise_equal(
+        _tensors(run / "checkpoints" / "v000002"), request.getfixturevalue("two_rank_final")
+    )
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_an_s3_route_and_a_volume_failing_under_rank_1_each_end_in_one_line(
+    tmp_path, s3_env, checkpoint_dir, two_rank_final
+):
+    """One two-rank run on an S3 root, cut short twice on rank 1, then resumed to the end:
+    rank 1's route to the S3 endpoint freezes before step 1 (rank 0's stays up); on `--resume`,
+    rank 1's write of its optimizer rows into the local volume (`storage.local_dir`, where an S3
+    run's checkpoints are) fails as a read-only file system does; the second `--resume` ends on
+    the uninterrupted run's weights and optimizer state, bitwise. Each fault: one `error:` line,
+    exit 74, no process left, the lease released, nothing half-written."""
+    local = tmp_path / "local"
+    proxy = _S3Proxy(s3_env, tmp_path / "proxy-mode")
+    storage = {
+        "root_uri": f"s3://{BUCKET}/{uuid.uuid4().hex}",
+        "local_dir": str(local),
+        "s3_endpoint_url": s3_env,  # rank 0's route; rank 1's goes through the proxy
+        "s3_read_timeout_s": 1,
+        "s3_connect_timeout_s": 1,
+        "s3_max_attempts": 2,
+    }
+    _two_rank_run(tmp_path, checkpoint_dir("llama"), storage)
+    run = local / "runs" / "faulty"
+    try:
+        started = time.monotonic()
+        rc, lines = _train_watching_children(
+            tmp_path, fault=f"route-frozen:{proxy.control}", env={"RANK1_S3_ENDPOINT": proxy.url}
+        )
+    finally:
+        proxy.close()
+    assert proxy.sockets, "rank 1 did not use its route"
+    _assert_one_error_line(
+        rc,
+        lines,
+        f"S3 endpoint {proxy.url} did not answer within 1 s (ReadTimeoutError) at s3://",
+        "after 2 attempts",
+        "then continue it with: longstraw train --config run.yaml --resume",
+    )
+    assert "rank " not in lines[-1], lines[-1]
+    # Rank 1's bounded wait is said as it happens, on the run's console.
+    assert any(w.startswith(f"warning: S3 endpoint {proxy.url} did not answer") for w in lines)
+    assert time.monotonic() - started < 150
+    assert not (run / "RUN.lock").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
+
+    rc, lines = _train_watching_children(tmp_path, "--resume", fault="read-only-on-rank:1")
+    _assert_one_error_line(
+        rc,
+        lines,
+        f"{local} is on a read-only file system (EROFS) writing "
+        f"{run}/checkpoints/v000002/optimizer-rank1-of-2.safetensors",
+        "remount it read-write",
+        "then continue it with: longstraw train --config run.yaml --resume",
+    )
+    assert not (run / "RUN.lock").exists()
+    assert not list(run.rglob("*.tmp-*")), "a half-written file was left behind"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
+
+    rc, lines = _train(tmp_path, "--resume")
+    assert rc == 0, "\n".join(lines)[-4000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), two_rank_final)
 
 
 def _train_watching_children(
-    cwd: Path, *, fault: str, prefect: bool, env: dict
+    cwd: Path, *args: str, fault: str, prefect: bool = False, env: dict | None = None
 ) -> tuple[int, list[str]]:
     """`_train`, asserting that no process it started (ranks, Prefect's server) outlives it."""
     import psutil
 
     path = os.pathsep.join([str(cwd), str(REPO), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml"]
+    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml", *args]
     log = (cwd / "train.log").open("w+")
     process = subprocess.Popen(
         command + ([] if prefect else ["--no-prefect"]),
@@ -568,7 +754,7 @@ def _train_watching_children(
             **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
             "PYTHONPATH": path,
             "FAULT": fault,
-            **env,
+            **(env or {}),
         },
         stdout=log,
         stderr=subprocess.STDOUT,
