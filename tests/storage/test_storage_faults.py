@@ -153,6 +153,37 @@ def _assert_one_error_line(rc: int, lines: list[str], *needles: str) -> str:
     return lines[-1]
 
 
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's safetensors files (weights, each rank's optimizer rows)."""
+    from safetensors.torch import load_file
+
+    return {
+        f"{file.name}:{name}": tensor
+        for file in sorted(checkpoint.glob("*.safetensors"))
+        for name, tensor in load_file(file).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process_final(tmp_path_factory, checkpoint_dir) -> dict[int, dict[str, torch.Tensor]]:
+    """The tensors of checkpoints v000002 and v000003 of the one-process run uninterrupted:
+    what the one-process runs below must end on after their `--resume`. Three steps; the
+    learning rate does not depend on the number of steps, so v000002 is also where a two-step
+    run ends."""
+    directory = tmp_path_factory.mktemp("one-process-uninterrupted")
+    root = directory / "root"
+    _write_run(
+        directory,
+        checkpoint_dir("llama"),
+        {"root_uri": str(root)},
+        train={"num_steps": 3, "groups_per_step": 1},
+    )
+    rc, lines = _train(directory)
+    assert rc == 0, "\n".join(lines)[-4000:]
+    checkpoints = root / "runs" / "faulty" / "checkpoints"
+    return {v: _tensors(checkpoints / f"v{v:06d}") for v in (2, 3)}
+
+
 # --- the mapping, without a run ---------------------------------------------------------------
 
 
@@ -312,7 +343,9 @@ def test_a_lease_that_cannot_be_removed_is_said_with_how_to_remove_it(tmp_path, 
 # --- through `longstraw train` ----------------------------------------------------------------
 
 
-def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(tmp_path, tmpfs, checkpoint_dir):
+def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
+    tmp_path, tmpfs, checkpoint_dir, one_process_final
+):
     disk = tmpfs("16m")
     root = disk / "root"
     _write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
@@ -331,6 +364,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(tmp_path, tmpfs,
     assert rc == 0, "\n".join(lines)[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
 
 @pytest.mark.prefect
@@ -352,7 +386,9 @@ def test_a_full_disk_under_the_embedded_prefect_server_is_said_once(
     assert not (disk / ".longstraw" / "runs" / "faulty" / "RUN.lock").exists()
 
 
-def test_a_root_that_turns_read_only_names_its_lease(tmp_path, tmpfs, checkpoint_dir):
+def test_a_root_that_turns_read_only_names_its_lease(
+    tmp_path, tmpfs, checkpoint_dir, one_process_final
+):
     disk = tmpfs("16m")
     root = disk / "root"
     _write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
@@ -370,6 +406,11 @@ def test_a_root_that_turns_read_only_names_its_lease(tmp_path, tmpfs, checkpoint
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
     assert live_lease(lease) is None and not lease.exists(), "the dead holder's lease stays"
+    rc, lines = _train(tmp_path, "--resume")  # remounted read-write
+    assert rc == 0, "\n".join(lines)[-4000:]
+    run = root / "runs" / "faulty"
+    assert not list(run.rglob("*.tmp-*")), "a half-written file was left behind"
+    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
 
 class _S3Proxy:
@@ -440,7 +481,7 @@ def s3_proxy(s3_env, tmp_path):
     [("down", "cannot be reached"), ("frozen", "did not answer within 1 s (ReadTimeoutError)")],
 )
 def test_an_s3_endpoint_that_goes_away_or_freezes_mid_run(
-    mode, said, tmp_path, s3_proxy, checkpoint_dir
+    mode, said, tmp_path, s3_env, s3_proxy, checkpoint_dir, request
 ):
     storage = {
         "root_uri": f"s3://{BUCKET}/{uuid.uuid4().hex}",
@@ -464,7 +505,21 @@ def test_an_s3_endpoint_that_goes_away_or_freezes_mid_run(
     warnings = [w for w in lines if w.startswith("warning: S3 endpoint")]
     assert warnings and "retrying with backoff, attempt 2 of 2" in warnings[0], lines
     assert time.monotonic() - started < 120
-    assert not (tmp_path / "local" / "runs" / "faulty" / "RUN.lock").exists()
+    run = tmp_path / "local" / "runs" / "faulty"
+    assert not (run / "RUN.lock").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
+    if mode == "frozen":
+        return  # the resume is one path: run it once, after the endpoint that went away
+    # The endpoint back (here: the server itself, the proxy gone): the run ends where the
+    # uninterrupted one does.
+    config = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    config["storage"]["s3_endpoint_url"] = s3_env
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    rc, lines = _train(tmp_path, "--resume")
+    assert rc == 0, "\n".join(lines)[-4000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    final = request.getfixturevalue("one_process_final")[3]
+    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000003"), final)
 
 
 def test_a_corrupted_prompt_state_chunk_is_named_with_its_removal(tmp_path, checkpoint_dir):
@@ -608,17 +663,6 @@ def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Pa
     root = directory / "root"
     _two_rank_run(directory, checkpoint, {"root_uri": str(root)})
     return root
-
-
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's safetensors files (weights, each rank's optimizer rows)."""
-    from safetensors.torch import load_file
-
-    return {
-        f"{file.name}:{name}": tensor
-        for file in sorted(checkpoint.glob("*.safetensors"))
-        for name, tensor in load_file(file).items()
-    }
 
 
 @pytest.fixture(scope="module")
