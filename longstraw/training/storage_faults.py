@@ -205,6 +205,11 @@ def _step_writes(config: RunConfig) -> dict[str, int] | None:
     return writes
 
 
+_S3_TRANSIENT_CODES = frozenset(
+    {"PriorRequestNotComplete", "RequestThrottled", "RequestTimeout", "Throttling", "SlowDown"}
+)
+"""S3 error codes below HTTP 500 that botocore's retry mode retries as the server's trouble."""
+
 _S3_CREDENTIAL_CODES = frozenset(
     {
         "AccessDenied",
@@ -229,35 +234,32 @@ def _s3_fault(error: BaseException, config: RunConfig) -> StorageFault | None:
     except ImportError:
         return None
     storage = config.storage
-    reach = (
-        "check that the S3 server is running and reachable there (storage.s3_endpoint_url, "
-        "AWS_ENDPOINT_URL_S3)"
-    )
     if isinstance(error, ClientError):
-        # An answer, after botocore's retries (which retry 5xx and throttling): the server's
-        # trouble or the credentials'; any other code (NoSuchKey, …) is not the storage's fault.
+        # An answer: the server's trouble (5xx and throttling, after botocore's retries) or the
+        # credentials' (not retried); any other code (NoSuchKey, …) is not the storage's fault.
         code = error.response.get("Error", {}).get("Code", "?")
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         answered = f"answered HTTP {status} {code} to {error.operation_name}"
         endpoint = _endpoint(None, storage)
-        if status >= 500:
-            what = f"{endpoint} {answered} at {storage.root_uri}"
-            fix = reach + " and that its disks and logs are healthy"
+        if status >= 500 or code in _S3_TRANSIENT_CODES:
+            what = (
+                f"{endpoint} {answered} at {storage.root_uri}, after "
+                f"{storage.s3_max_attempts} attempts"
+            )
+            fix = (
+                "check the S3 server's health and logs, or raise storage.s3_max_attempts to "
+                "wait out a longer outage (each attempt backs off up to 20 s)"
+            )
         elif code in _S3_CREDENTIAL_CODES or status == 403:
             what = f"{endpoint} refused the credentials ({answered}) at {storage.root_uri}"
             fix = (
-                "renew or correct them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN: "
-                "a session token expires; AWS_PROFILE), check that they may write under "
-                f"{storage.root_uri} and that this machine's clock is right"
+                "renew or correct them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                "AWS_SESSION_TOKEN: a session token expires; AWS_PROFILE), check that they may "
+                f"write under {storage.root_uri} and that this machine's clock is right"
             )
         else:
             return None
-        return StorageFault(
-            f"{what}, after {storage.s3_max_attempts} attempts",
-            fix,
-            path=storage.root_uri,
-            kind="s3",
-        )
+        return StorageFault(what, fix, path=storage.root_uri, kind="s3")
     if not isinstance(error, BotoConnectionError | HTTPClientError):
         return None
     from longstraw.storage.s3_client import failure_description
@@ -266,7 +268,10 @@ def _s3_fault(error: BaseException, config: RunConfig) -> StorageFault | None:
         f"failed ({type(error).__name__}: {error})"
     )
     url = getattr(error, "kwargs", {}).get("endpoint_url")
-    fix = reach
+    fix = (
+        "check that the S3 server is running and reachable there (storage.s3_endpoint_url, "
+        "AWS_ENDPOINT_URL_S3)"
+    )
     if "did not answer" in what:
         fix += ", or raise storage.s3_read_timeout_s for a slow one"
     return StorageFault(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flow_helpers import NUM_GENERATIONS, write_run_yaml
+from flow_helpers import NUM_GENERATIONS, final_weights_digest, tiny_run_config, write_run_yaml
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -134,12 +134,13 @@ def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
 
 
 def test_sigterm_to_the_process_group_stops_train_as_promptly(
-    tmp_path, runs_root, fresh_prefect_home
+    tmp_path, runs_root, fresh_prefect_home, in_process_digest
 ):
     """What a terminal's Ctrl-C, systemd, Slurm or Kubernetes deliver: the signal to the whole
     group. The embedded Prefect server has a session of its own, so it outlives the signal long
-    enough for the run to report its crash, then goes with the run."""
-    rc, output, took, alive, _, run = _signalled_train(
+    enough for the run to report its crash, then goes with the run. Then `--resume` ends on the
+    uninterrupted run's weights."""
+    rc, output, took, alive, config_path, run = _signalled_train(
         tmp_path,
         runs_root,
         fresh_prefect_home,
@@ -150,6 +151,24 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
     print(f"group SIGTERM to exit: {took:.1f} s")
     _stopped_by_sigterm(rc, output, took, alive, run)
     assert len(output.splitlines()) < 60, output[-3000:]
+
+    # Two steps (the learning rate does not depend on the number of steps): the in-process
+    # loop's uninterrupted run to compare with. Without Prefect, which the flow tests show
+    # changes nothing.
+    resumed = subprocess.run(
+        [
+            *(sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path)),
+            *("--resume", "--steps", "2", "--no-prefect"),
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path / "prefect"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    config = tiny_run_config(runs_root, "group-term", num_steps=2)
+    assert final_weights_digest(config) == in_process_digest
 
 
 @pytest.mark.skipif(

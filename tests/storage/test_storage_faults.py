@@ -291,7 +291,12 @@ def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_vol
         )
         return translate_boto_error(error)  # what reaches the stage, the ClientError its cause
 
-    for code, status in (("SlowDown", 503), ("InternalError", 500), ("WeirdFailure", 502)):
+    for code, status in (
+        ("SlowDown", 503),
+        ("InternalError", 500),
+        ("WeirdFailure", 502),
+        ("RequestTimeout", 400),
+    ):
         fault = storage_fault(answered(code, status), config)
         assert fault.kind == "s3", (code, fault)
         assert f"the S3 endpoint answered HTTP {status} {code} to PutObject at {root}" in str(fault)
@@ -299,6 +304,7 @@ def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_vol
     for code, status in (("ExpiredToken", 400), ("AccessDenied", 403)):
         fault = storage_fault(answered(code, status, "GetObject"), config)
         assert fault.kind == "s3" and "refused the credentials" in str(fault), fault
+        assert "attempts" not in str(fault)  # botocore does not retry a refusal
         assert "AWS_SESSION_TOKEN" in str(fault) and f"may write under {root}" in str(fault)
     assert storage_fault(answered("NoSuchKey", 404), config) is None  # not the storage's fault
 
