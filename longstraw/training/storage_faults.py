@@ -294,11 +294,13 @@ def _endpoint(url: str | None, storage) -> str:
 
 def _object_uri(url: str | None, storage) -> str:
     """http://host:port/bucket/key?query (or https://bucket.host/key) -> s3://bucket/key; the
-    root when unknown. The query may carry an upload id: never said."""
+    root when unknown. Of the query only a listing's prefix is said (it may carry an upload id)."""
     if not url:
         return storage.root_uri
+    from longstraw.storage.s3_client import request_target
+
     parts = urlsplit(url)
-    path = parts.path.lstrip("/")
+    path = request_target(url).lstrip("/")
     bucket = urlsplit(storage.root_uri).netloc
     if bucket and parts.netloc.startswith(f"{bucket}."):  # virtual-hosted style
         path = f"{bucket}/{path}"

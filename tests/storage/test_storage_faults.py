@@ -308,6 +308,10 @@ def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_vol
         assert "AWS_SESSION_TOKEN" in str(fault) and f"may write under {root}" in str(fault)
     assert storage_fault(answered("NoSuchKey", 404), config) is None  # not the storage's fault
 
+    # A listing names its prefix (and nothing else of the query).
+    url = f"http://127.0.0.1:9/{BUCKET}?list-type=2&prefix=p%2Fruns%2Fr&continuation-token=t"
+    fault = storage_fault(EndpointConnectionError(endpoint_url=url), config)
+    assert f"at s3://{BUCKET}/p/runs/r, after 3 attempts" in str(fault), fault
     # A rank's own route (or the environment's endpoint) is the endpoint named, and an AWS
     # virtual-hosted URL still names its bucket.
     url = f"https://{BUCKET}.s3.eu-west-1.amazonaws.com/p/a/COMMITTED.json"
