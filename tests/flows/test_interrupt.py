@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 FLOWS_DIR = Path(__file__).parent
 REPO = FLOWS_DIR.parents[1]
 EXIT_WITHIN_S = 15.0
+MAX_LINES = 15
+"""What a signalled run may print in all: 8 (SIGTERM to the group) and 9 (Ctrl-C) on 2 cores; a
+step with more task runs in flight adds two of Prefect's "Crash detected" lines for each."""
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -150,7 +153,8 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
     )
     print(f"group SIGTERM to exit: {took:.1f} s")
     _stopped_by_sigterm(rc, output, took, alive, run)
-    assert len(output.splitlines()) < 60, output[-3000:]
+    # The header, Prefect's "Crash detected" line of each run in flight, the bars, the line.
+    assert len(output.splitlines()) <= MAX_LINES, output[-3000:]
 
     # Two steps (the learning rate does not depend on the number of steps): the in-process
     # loop's uninterrupted run to compare with. Without Prefect, which the flow tests show
@@ -226,5 +230,6 @@ def test_ctrl_c_in_a_terminal_stops_train_with_the_resume_line(
     resume_lines = [line for line in output.splitlines() if "--resume" in line]
     assert len(resume_lines) == 1, output[-3000:]
     assert "interrupted by SIGINT" in resume_lines[0]
+    assert len(output.splitlines()) <= MAX_LINES, output[-3000:]
     assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
     assert not (first_checkpoint.parent.parent / "RUN.lock").exists(), "the lease was released"
