@@ -1,8 +1,9 @@
 """Storage faults met mid-run, said as one line that names the path and what to do.
 
 A disk that fills, a volume that turns read-only, write permission taken away, an S3 endpoint
-that refuses connections or stops answering, a prompt-state chunk whose bytes differ from its
-manifest: each reaches the run as an OSError, a botocore error or a StateIntegrityError, often
+that refuses connections, stops answering or answers 5xx, S3 credentials refused mid-run, a
+prompt-state chunk whose bytes differ from its manifest: each reaches the run as an OSError, a
+botocore error (s3fs's OSError for an error answer) or a StateIntegrityError, often
 wrapped (safetensors, zarr, Prefect) and behind hundreds of lines of traceback. `storage_fault`
 finds it in an exception's chain and turns it into a `StorageFault` ("<what> — <fix>"). Every
 stage raises that instead (`storage_faults`), so Prefect's console shows none of it (it is a
@@ -11,7 +12,9 @@ UserError, `orchestration.console`), and `longstraw train` prints it as its last
 
 Nothing half-written is read afterwards: checkpoints commit by a rename, prompt states by a marker
 written last, metrics and the plot by a rename; a failed checkpoint write removes its temporary
-directory. So each fault is followed by `--resume` once its cause is fixed.
+directory. So each fault is followed by `--resume` once its cause is fixed. Prefect's task
+retries leave a StorageFault alone (`orchestration.policies.retry_on_transient`): the S3
+client's own attempts (`storage.s3_max_attempts`, with backoff) are the one bound on a stall.
 """
 
 from __future__ import annotations

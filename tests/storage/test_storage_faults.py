@@ -1,15 +1,16 @@
 """Storage faults met mid-run end `longstraw train` in one `error:` line that names the path and
 the fix, exit status 74, no traceback (that is `--debug`'s), the run's lease released, and the run
-resumable: a disk that fills (a small tmpfs, filled by a reward function at step 1), a root that
-turns read-only (the tmpfs remounted), an S3 endpoint that goes away or stops answering (a proxy
-in front of the loopback S3 server), a prompt-state chunk whose bytes were flipped.
+resumable to the uninterrupted run's final checkpoint: a disk that fills (a small tmpfs, filled by
+a reward function at step 1), a root that turns read-only (the tmpfs remounted), an S3 endpoint
+that goes away or stops answering (a proxy in front of the loopback S3 server), a prompt-state
+chunk whose bytes were flipped. One process; the same faults under one of several ranks:
+test_rank_storage_faults.py.
 
 The mount tests need root with CAP_SYS_ADMIN (a VM or a privileged container) and skip elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -17,7 +18,6 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,6 +27,13 @@ import pytest
 import torch
 import yaml
 from conftest import BUCKET
+from fault_runs import (
+    S3Proxy,
+    assert_one_error_line,
+    checkpoint_tensors,
+    run_train,
+    write_run,
+)
 from helpers import assert_bitwise_equal
 
 from longstraw.errors import UserError
@@ -34,44 +41,7 @@ from longstraw.schemas.run import RunConfig
 from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import ChunkChecksumError
 from longstraw.training.run_lease import live_lease, run_lease
-from longstraw.training.storage_faults import EX_IOERR, StorageFault, storage_fault
-
-REPO = Path(__file__).resolve().parents[2]
-MAX_LINES = 10  # the run header (a long root wraps it), progress bars, a warning or two, the error
-
-# A reward that does the fault's damage on its third call (the first sample of step 1), then
-# scores like any other: the run is in the middle of a step with one checkpoint committed. Its
-# score depends on the response, so the steps' gradients are not zero and a resumed run's final
-# weights say whether it redid the step as the uninterrupted run did.
-HOOK = """
-import os, subprocess
-
-_calls = 0
-
-
-def fault(prompt, response, metadata):
-    global _calls
-    _calls += 1
-    if _calls == 3:
-        kind, _, target = os.environ.get("FAULT", "none:").partition(":")
-        if kind == "fill":  # leave 64 KiB on the volume
-            free = shutil_free(os.path.dirname(target))
-            with open(target, "wb") as filler:
-                filler.write(bytes(max(0, free - 65536)))
-        elif kind == "read-only":
-            subprocess.run(["mount", "-o", "remount,ro", target], check=True)
-        elif kind == "proxy":  # the S3 proxy's mode: down or frozen
-            mode, _, path = target.partition("@")
-            with open(path, "w") as control:
-                control.write(mode)
-            __import__("time").sleep(0.3)  # the proxy looks every 50 ms
-    return sum(response.encode()) % 7 / 6
-
-
-def shutil_free(path):
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-"""
+from longstraw.training.storage_faults import StorageFault, storage_fault
 
 
 def _can_mount() -> bool:
@@ -102,68 +72,6 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def _write_run(directory: Path, checkpoint: Path, storage: dict | None, **extra) -> Path:
-    config = {
-        "run_id": "faulty",
-        "model": {"checkpoint": str(checkpoint)},
-        "train": {"num_steps": 2, "groups_per_step": 1},
-        "grpo": {"num_generations": 2, "max_completion_length": 2},
-        "data": {"type": "haystack", "rewards": ["fault_hook:fault"]},
-    } | extra
-    if storage is not None:
-        config["storage"] = {"persist_mode": "synchronous", **storage}
-    (directory / "fault_hook.py").write_text(HOOK)
-    path = directory / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _train(
-    cwd: Path, *args: str, fault: str = "none:", prefect: bool = False, env: dict | None = None
-):
-    """(exit status, output lines) of `longstraw train --config run.yaml ARGS` in `cwd`."""
-    path = os.pathsep.join([str(cwd), str(REPO), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml", *args]
-    done = subprocess.run(
-        command + ([] if prefect else ["--no-prefect"]),
-        cwd=cwd,
-        # No Prefect settings of this test process (a harness's): the run's own, or its defaults.
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
-            "PYTHONPATH": path,
-            "FAULT": fault,
-            **(env or {}),
-        },
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = (done.stdout + done.stderr).strip().splitlines()
-    return done.returncode, lines
-
-
-def _assert_one_error_line(rc: int, lines: list[str], *needles: str) -> str:
-    text = "\n".join(lines)
-    assert rc == EX_IOERR, text[-4000:]
-    assert lines[-1].startswith("error: "), text[-4000:]
-    assert len(lines) <= MAX_LINES, text[-4000:]
-    assert "Traceback" not in text and "─────" not in text, text[-4000:]
-    for needle in needles:
-        assert needle in lines[-1], lines[-1]
-    return lines[-1]
-
-
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's safetensors files (weights, each rank's optimizer rows)."""
-    from safetensors.torch import load_file
-
-    return {
-        f"{file.name}:{name}": tensor
-        for file in sorted(checkpoint.glob("*.safetensors"))
-        for name, tensor in load_file(file).items()
-    }
-
-
 @pytest.fixture(scope="module")
 def one_process_final(tmp_path_factory, checkpoint_dir) -> dict[int, dict[str, torch.Tensor]]:
     """The tensors of checkpoints v000002 and v000003 of the one-process run uninterrupted:
@@ -172,16 +80,16 @@ def one_process_final(tmp_path_factory, checkpoint_dir) -> dict[int, dict[str, t
     run ends."""
     directory = tmp_path_factory.mktemp("one-process-uninterrupted")
     root = directory / "root"
-    _write_run(
+    write_run(
         directory,
         checkpoint_dir("llama"),
         {"root_uri": str(root)},
         train={"num_steps": 3, "groups_per_step": 1},
     )
-    rc, lines = _train(directory)
+    rc, lines = run_train(directory)
     assert rc == 0, "\n".join(lines)[-4000:]
     checkpoints = root / "runs" / "faulty" / "checkpoints"
-    return {v: _tensors(checkpoints / f"v{v:06d}") for v in (2, 3)}
+    return {v: checkpoint_tensors(checkpoints / f"v{v:06d}") for v in (2, 3)}
 
 
 # --- the mapping, without a run ---------------------------------------------------------------
@@ -358,9 +266,9 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
 ):
     disk = tmpfs("16m")
     root = disk / "root"
-    _write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
-    rc, lines = _train(tmp_path, fault=f"fill:{disk / 'filler'}")
-    line = _assert_one_error_line(
+    write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
+    rc, lines = run_train(tmp_path, fault=f"fill:{disk / 'filler'}")
+    line = assert_one_error_line(
         rc, lines, f"no space left on the volume of {root}", "free at least", "MiB there"
     )
     assert "then continue it with: longstraw train --config run.yaml --resume" in line
@@ -370,11 +278,11 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
 
     (disk / "filler").unlink()
-    rc, lines = _train(tmp_path, "--resume")
+    rc, lines = run_train(tmp_path, "--resume")
     assert rc == 0, "\n".join(lines)[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
+    assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
 
 @pytest.mark.prefect
@@ -385,14 +293,14 @@ def test_a_full_disk_under_the_embedded_prefect_server_is_said_once(
     # The embedded default: run storage and Prefect's database on one volume (./.longstraw).
     disk = tmpfs("24m")
     home = fresh_prefect_home(disk / ".longstraw" / "prefect")
-    _write_run(disk, checkpoint_dir("llama"), {})
-    rc, lines = _train(
+    write_run(disk, checkpoint_dir("llama"), {})
+    rc, lines = run_train(
         disk,
         fault=f"fill:{disk / 'filler'}",
         prefect=True,
         env={"PREFECT_HOME": str(home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"},
     )
-    _assert_one_error_line(rc, lines, f"no space left on the volume of {disk / '.longstraw'}")
+    assert_one_error_line(rc, lines, f"no space left on the volume of {disk / '.longstraw'}")
     assert not (disk / ".longstraw" / "runs" / "faulty" / "RUN.lock").exists()
 
 
@@ -401,11 +309,11 @@ def test_a_root_that_turns_read_only_names_its_lease(
 ):
     disk = tmpfs("16m")
     root = disk / "root"
-    _write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
+    write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
     try:
-        rc, lines = _train(tmp_path, fault=f"read-only:{disk}")
+        rc, lines = run_train(tmp_path, fault=f"read-only:{disk}")
         lease = root / "runs" / "faulty" / "RUN.lock"
-        _assert_one_error_line(
+        assert_one_error_line(
             rc,
             lines,
             f"{root} is on a read-only file system (EROFS)",
@@ -416,71 +324,16 @@ def test_a_root_that_turns_read_only_names_its_lease(
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
     assert live_lease(lease) is None and not lease.exists(), "the dead holder's lease stays"
-    rc, lines = _train(tmp_path, "--resume")  # remounted read-write
+    rc, lines = run_train(tmp_path, "--resume")  # remounted read-write
     assert rc == 0, "\n".join(lines)[-4000:]
     run = root / "runs" / "faulty"
     assert not list(run.rglob("*.tmp-*")), "a half-written file was left behind"
-    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
-
-
-class _S3Proxy:
-    """TCP proxy on 127.0.0.1 in front of an S3 endpoint. Its mode is the control file's text:
-    forward; frozen (connections are accepted and held, nothing is answered); down (the port is
-    closed and every connection dropped: connection refused)."""
-
-    def __init__(self, upstream: str, control: Path):
-        self.upstream = upstream.removeprefix("http://").split(":")
-        self.control = control
-        control.write_text("forward")
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.sockets: list[socket.socket] = []
-        self.stopped = threading.Event()
-        for target in (self._accept, self._watch):
-            threading.Thread(target=target, daemon=True).start()
-
-    def mode(self) -> str:
-        return self.control.read_text().strip()
-
-    def _watch(self) -> None:
-        while not self.stopped.wait(0.05):
-            if self.mode() == "down":
-                self.close()
-
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.sockets.append(client)
-            if self.mode() != "forward":
-                continue  # frozen: held open, never answered
-            server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
-            self.sockets.append(server)
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                while self.mode() == "frozen" and not self.stopped.is_set():
-                    time.sleep(0.05)
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.stopped.set()
-        for sock in [self.listener, *self.sockets]:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+    assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
 
 @pytest.fixture
 def s3_proxy(s3_env, tmp_path):
-    proxy = _S3Proxy(s3_env, tmp_path / "proxy-mode")
+    proxy = S3Proxy(s3_env, tmp_path / "proxy-mode")
     yield proxy
     proxy.close()
 
@@ -502,12 +355,12 @@ def test_an_s3_endpoint_that_goes_away_or_freezes_mid_run(
         "s3_max_attempts": 2,
     }
     # Three steps: the proxy changes at step 1's rollout, step 2's prefill meets it.
-    _write_run(
+    write_run(
         tmp_path, checkpoint_dir("llama"), storage, train={"num_steps": 3, "groups_per_step": 1}
     )
     started = time.monotonic()
-    rc, lines = _train(tmp_path, fault=f"proxy:{mode}@{s3_proxy.control}")
-    line = _assert_one_error_line(
+    rc, lines = run_train(tmp_path, fault=f"proxy:{mode}@{s3_proxy.control}")
+    line = assert_one_error_line(
         rc, lines, f"S3 endpoint {s3_proxy.url}", "after 2 attempts", "--resume"
     )
     assert said in line or "closed the connection" in line, line
@@ -525,18 +378,18 @@ def test_an_s3_endpoint_that_goes_away_or_freezes_mid_run(
     config = yaml.safe_load((tmp_path / "run.yaml").read_text())
     config["storage"]["s3_endpoint_url"] = s3_env
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    rc, lines = _train(tmp_path, "--resume")
+    rc, lines = run_train(tmp_path, "--resume")
     assert rc == 0, "\n".join(lines)[-4000:]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
     final = request.getfixturevalue("one_process_final")[3]
-    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000003"), final)
+    assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000003"), final)
 
 
 def test_a_corrupted_prompt_state_chunk_is_named_with_its_removal(tmp_path, checkpoint_dir):
     from longstraw.training.loop import train
 
     root = tmp_path / "root"
-    run_yaml = _write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
+    run_yaml = write_run(tmp_path, checkpoint_dir("llama"), {"root_uri": str(root)})
     config = RunConfig.model_validate(
         {**yaml.safe_load(run_yaml.read_text()), "data": {"type": "haystack"}}
     )
@@ -551,8 +404,8 @@ def test_a_corrupted_prompt_state_chunk_is_named_with_its_removal(tmp_path, chec
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
 
-    rc, lines = _train(tmp_path, "--resume", "--steps", "1")
-    _assert_one_error_line(
+    rc, lines = run_train(tmp_path, "--resume", "--steps", "1")
+    assert_one_error_line(
         rc,
         lines,
         f"prompt state {state} is damaged",
@@ -600,316 +453,3 @@ def test_a_frozen_endpoint_is_a_bounded_wait_with_a_warning(s3_env, caplog):
         listener.close()
         for sock in held:
             sock.close()
-
-
-# Faults under one rank only, every process importing this sitecustomize (the test's directory
-# is first on PYTHONPATH):
-# - FAULT=full-on-rank:R / read-only-on-rank:R: the write of rank R's optimizer rows into step 1's
-#   checkpoint (each rank writes its own part) fails as a full disk (a node's own volume) or a
-#   volume remounted read-only does. The other rank is then inside the same stage, in
-#   collectives rank R never joins.
-# - RANK1_S3_ENDPOINT: rank 1's own route to the S3 endpoint (a node's network path), a proxy
-#   whose control file rank 1 sets to FAULT=route-down:<file> / route-frozen:<file> as it writes
-#   its part of step 0's checkpoint (no S3 traffic): its next S3 request is step 1's prefill.
-#   Rank 0's route stays up.
-RANK_FAULTS = """
-import errno, os, time
-
-import safetensors.torch
-
-_save_file = safetensors.torch.save_file
-_ERRORS = {
-    "full-on-rank": (errno.ENOSPC, "No space left on device"),
-    "read-only-on-rank": (errno.EROFS, "Read-only file system"),
-}
-
-
-def save_file(tensors, filename, *args, **kwargs):
-    kind, _, rank = os.environ.get("FAULT", "").partition(":")
-    if kind.startswith("route-") and "/v000001.tmp-" in str(filename) and str(filename).endswith(
-        "/optimizer-rank1-of-2.safetensors"
-    ):
-        with open(rank, "w") as control:  # the proxy's control file
-            control.write(kind.removeprefix("route-"))
-        time.sleep(0.3)  # the proxy looks every 50 ms
-    if kind in _ERRORS and "/v000002.tmp-" in str(filename) and str(filename).endswith(
-        f"/optimizer-rank{rank}-of-2.safetensors"
-    ):
-        raise OSError(*_ERRORS[kind], str(filename))
-    return _save_file(tensors, filename, *args, **kwargs)
-
-
-safetensors.torch.save_file = save_file
-
-if os.environ.get("RANK1_S3_ENDPOINT"):
-    import longstraw.storage.paths as paths
-
-    _storage_options = paths.storage_options
-
-    def storage_options(uri, config=None):
-        if os.environ.get("LOCAL_RANK") == "1":  # set on a spawned rank before it serves
-            config = (config or paths.StorageConfig()).model_copy(
-                update={"s3_endpoint_url": os.environ["RANK1_S3_ENDPOINT"]}
-            )
-        return _storage_options(uri, config)
-
-    paths.storage_options = storage_options
-"""
-
-
-def _two_rank_run(directory: Path, checkpoint: Path, storage: dict) -> None:
-    """run.yaml for two gloo ranks and the `RANK_FAULTS` sitecustomize in `directory`."""
-    _write_run(
-        directory,
-        checkpoint,
-        storage,
-        parallel={"world_size": 2, "backend": "gloo", "timeout_s": 300},
-    )
-    (directory / "sitecustomize.py").write_text(RANK_FAULTS)
-
-
-def _two_rank_run_with_a_disk_full_hook(directory: Path, checkpoint: Path) -> Path:
-    """`_two_rank_run` on a local root; the root."""
-    root = directory / "root"
-    _two_rank_run(directory, checkpoint, {"root_uri": str(root)})
-    return root
-
-
-@pytest.fixture(scope="module")
-def two_rank_final(tmp_path_factory, checkpoint_dir) -> dict[str, torch.Tensor]:
-    """The final checkpoint's tensors of the two-rank run uninterrupted (both steps, no fault):
-    what every two-rank run below must end on after its `--resume`."""
-    directory = tmp_path_factory.mktemp("two-rank-uninterrupted")
-    root = _two_rank_run_with_a_disk_full_hook(directory, checkpoint_dir("llama"))
-    rc, lines = _train(directory)
-    assert rc == 0, "\n".join(lines)[-4000:]
-    return _tensors(root / "runs" / "faulty" / "checkpoints" / "v000002")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("rank", "prefect"),
-    [(1, False), (0, False), pytest.param(1, True, marks=pytest.mark.prefect)],
-    ids=["rank1", "rank0", "rank1-prefect"],
-)
-def test_a_disk_that_fills_under_one_rank_ends_in_the_same_one_line(
-    rank, prefect, tmp_path, checkpoint_dir, fresh_prefect_home, request
-):
-    env = {}
-    if prefect:  # the embedded default, its Prefect home beside the run
-        home = fresh_prefect_home(tmp_path / "prefect")
-        env = {"PREFECT_HOME": str(home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
-    root = _two_rank_run_with_a_disk_full_hook(tmp_path, checkpoint_dir("llama"))
-    started = time.monotonic()
-    fault = f"full-on-rank:{rank}"
-    rc, lines = _train_watching_children(tmp_path, fault=fault, prefect=prefect, env=env)
-    line = _assert_one_error_line(
-        rc,
-        lines,
-        f"no space left on the volume of {root} ",
-        f"writing {root}/runs/faulty/checkpoints/v000002/optimizer-rank{rank}-of-2.safetensors",
-        "free at least",
-        "then continue it with: longstraw train --config run.yaml --resume",
-    )
-    assert "rank " not in line, line
-    # Said when the rank fails, not after parallel.timeout_s.
-    assert time.monotonic() - started < 240, time.monotonic() - started
-    run = root / "runs" / "faulty"
-    assert not (run / "RUN.lock").exists()
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
-    if rank == 0 or prefect:
-        return  # the resume after a rank's fault is one path: run it once, in the first case
-    rc, lines = _train(tmp_path, "--resume", prefect=prefect, env=env)
-    assert rc == 0, "\n".join(lines)[-4000:]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert_bitwise_equal(
-        _tensors(run / "checkpoints" / "v000002"), request.getfixturevalue("two_rank_final")
-    )
-
-
-@pytest.mark.s3
-@pytest.mark.slow
-def test_an_s3_route_and_a_volume_failing_under_rank_1_each_end_in_one_line(
-    tmp_path, s3_env, checkpoint_dir, two_rank_final
-):
-    """One two-rank run on an S3 root, cut short twice on rank 1, then resumed to the end:
-    rank 1's route to the S3 endpoint freezes before step 1 (rank 0's stays up); on `--resume`,
-    rank 1's write of its optimizer rows into the local volume (`storage.local_dir`, where an S3
-    run's checkpoints are) fails as a read-only file system does; the second `--resume` ends on
-    the uninterrupted run's weights and optimizer state, bitwise. Each fault: one `error:` line,
-    exit 74, no process left, the lease released, nothing half-written."""
-    local = tmp_path / "local"
-    proxy = _S3Proxy(s3_env, tmp_path / "proxy-mode")
-    storage = {
-        "root_uri": f"s3://{BUCKET}/{uuid.uuid4().hex}",
-        "local_dir": str(local),
-        "s3_endpoint_url": s3_env,  # rank 0's route; rank 1's goes through the proxy
-        "s3_read_timeout_s": 1,
-        "s3_connect_timeout_s": 1,
-        "s3_max_attempts": 2,
-    }
-    _two_rank_run(tmp_path, checkpoint_dir("llama"), storage)
-    run = local / "runs" / "faulty"
-    try:
-        started = time.monotonic()
-        rc, lines = _train_watching_children(
-            tmp_path, fault=f"route-frozen:{proxy.control}", env={"RANK1_S3_ENDPOINT": proxy.url}
-        )
-    finally:
-        proxy.close()
-    assert proxy.sockets, "rank 1 did not use its route"
-    _assert_one_error_line(
-        rc,
-        lines,
-        f"S3 endpoint {proxy.url} did not answer within 1 s (ReadTimeoutError) at s3://",
-        "after 2 attempts",
-        "then continue it with: longstraw train --config run.yaml --resume",
-    )
-    assert "rank " not in lines[-1], lines[-1]
-    # Rank 1's bounded wait is said as it happens, on the run's console.
-    assert any(w.startswith(f"warning: S3 endpoint {proxy.url} did not answer") for w in lines)
-    assert time.monotonic() - started < 150
-    assert not (run / "RUN.lock").exists()
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
-
-    rc, lines = _train_watching_children(tmp_path, "--resume", fault="read-only-on-rank:1")
-    _assert_one_error_line(
-        rc,
-        lines,
-        f"{local} is on a read-only file system (EROFS) writing "
-        f"{run}/checkpoints/v000002/optimizer-rank1-of-2.safetensors",
-        "remount it read-write",
-        "then continue it with: longstraw train --config run.yaml --resume",
-    )
-    assert not (run / "RUN.lock").exists()
-    assert not list(run.rglob("*.tmp-*")), "a half-written file was left behind"
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
-
-    rc, lines = _train(tmp_path, "--resume")
-    assert rc == 0, "\n".join(lines)[-4000:]
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert_bitwise_equal(_tensors(run / "checkpoints" / "v000002"), two_rank_final)
-
-
-def _train_watching_children(
-    cwd: Path, *args: str, fault: str, prefect: bool = False, env: dict | None = None
-) -> tuple[int, list[str]]:
-    """`_train`, asserting that no process it started (ranks, Prefect's server) outlives it."""
-    import psutil
-
-    path = os.pathsep.join([str(cwd), str(REPO), os.environ.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "longstraw.cli", "train", "--config", "run.yaml", *args]
-    log = (cwd / "train.log").open("w+")
-    process = subprocess.Popen(
-        command + ([] if prefect else ["--no-prefect"]),
-        cwd=cwd,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
-            "PYTHONPATH": path,
-            "FAULT": fault,
-            **(env or {}),
-        },
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    children: dict[int, psutil.Process] = {}
-    commands: dict[int, str] = {}
-    try:
-        while process.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    children[child.pid] = child
-                    commands.setdefault(child.pid, " ".join(child.cmdline()))
-            time.sleep(0.2)
-        log.seek(0)
-        out = log.read()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
-    assert any("multiprocessing" in c for c in commands.values()), "no rank was started"
-
-    def alive(child: psutil.Process) -> bool:
-        with contextlib.suppress(psutil.Error):
-            return child.status() != psutil.STATUS_ZOMBIE
-        return False
-
-    # multiprocessing's resource tracker exits once the last process holding its pipe is gone.
-    psutil.wait_procs([c for c in children.values() if alive(c)], timeout=5)
-    left = [pid for pid, child in children.items() if alive(child)]
-    assert not left, f"{[commands[p] for p in left]} outlived the run:\n{out[-4000:]}"
-    return process.returncode, out.strip().splitlines()
-
-
-@pytest.mark.slow
-def test_a_disk_that_fills_under_a_torchrun_rank_ends_both_nodes_at_once(tmp_path, checkpoint_dir):
-    """Ranks formed by torchrun (two "nodes" of one process each, on loopback), the disk full
-    under rank 1 only: the driver's node ends in the fault's one line (74), and the failed
-    rank's node says it in one line of its own and fails too. It exited 0 before, as a rank that
-    merely left the group, and its torchrun agent could then wait out the five-minute exit
-    barrier (312 s in one probe). What torchrun's agents print after their worker (failure
-    summaries, c10d warnings) is the launcher's own."""
-    from longstraw.distributed.launch import free_port
-
-    root = _two_rank_run_with_a_disk_full_hook(tmp_path, checkpoint_dir("llama"))
-    path = os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
-        "PYTHONPATH": path,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
-    port = free_port()
-    torchrun = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=longstraw-fault",
-        "--max-restarts=0",
-        "-m",
-        "longstraw.cli",
-        "train",
-        "--config",
-        "run.yaml",
-        "--no-prefect",
-    ]
-    started = time.monotonic()
-    nodes = [
-        subprocess.Popen(
-            torchrun,
-            cwd=tmp_path,
-            # Each node's environment: the fault is on rank 1's.
-            env={**env, "FAULT": "full-on-rank:1" if node == 1 else "none:"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-                node.wait()
-    took = time.monotonic() - started
-    target = f"writing {root}/runs/faulty/checkpoints/v000002/optimizer-rank1-of-2.safetensors"
-    for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode != 0, output[-4000:]
-    driver_lines = [line for line in outputs[0].splitlines() if line.startswith("error: ")]
-    assert len(driver_lines) == 1, outputs[0][-4000:]
-    assert f"no space left on the volume of {root} " in driver_lines[0]
-    assert target in driver_lines[0] and "--resume" in driver_lines[0]
-    rank_lines = [line for line in outputs[1].splitlines() if line.startswith("error: ")]
-    assert len(rank_lines) == 1, outputs[1][-4000:]
-    assert rank_lines[0].startswith("error: rank 1: no space left") and target in rank_lines[0]
-    assert took < 120, f"{took:.0f} s: a node waited out torchrun's exit barrier"
-    run = root / "runs" / "faulty"
-    assert not (run / "RUN.lock").exists()
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["v000001"]
