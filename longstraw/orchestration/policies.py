@@ -8,8 +8,11 @@ from prefect.cache_policies import CacheKeyFnPolicy
 
 from longstraw.orchestration.locks import CrashSafeFileLockManager
 
-# Faults worth retrying: storage and network hiccups. A ValueError (bad input) or a
-# StateKeyMismatchError (wrong weights) fails the same way every time and is not retried.
+# Faults worth retrying: storage and network hiccups that no layer below explained. A
+# ValueError (bad input) or a StateKeyMismatchError (wrong weights) fails the same way every
+# time and is not retried; nor is a StorageFault (a UserError, so a ValueError): a full or
+# read-only volume needs the operator, and an S3 fault comes after the S3 client's own attempts
+# with backoff, whose bound a task retry would multiply by redoing the stage.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, ConnectionError, TimeoutError)
 
 

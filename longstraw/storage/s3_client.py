@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from s3fs import S3FileSystem
 
@@ -109,8 +109,7 @@ class RetryWarning:
                 return None
             _warned_at[self.endpoint] = now
         request = kwargs.get("request_dict") or {}
-        # The path only: a query string may hold an upload id, never worth a log line.
-        target = urlsplit(request.get("url", "")).path or "?"
+        target = request_target(request.get("url", "")) or "?"
         logger.warning(
             "warning: S3 endpoint %s %s (%s %s); retrying with backoff, attempt %d of %d "
             "(storage.s3_read_timeout_s, storage.s3_max_attempts)",
@@ -122,6 +121,17 @@ class RetryWarning:
             self.max_attempts,
         )
         return None
+
+
+def request_target(url: str) -> str:
+    """The object a request is about: its URL's path, and a listing's prefix (`/bucket/a/b`
+    for `/bucket?list-type=2&prefix=a/b`). Nothing else of the query: it may hold an upload
+    id, never worth a log line."""
+    parts = urlsplit(url)
+    prefixes = parse_qs(parts.query).get("prefix")
+    if prefixes and prefixes[0]:
+        return f"{parts.path.rstrip('/')}/{prefixes[0].lstrip('/')}"
+    return parts.path
 
 
 def failure_description(caught_exception, response, read_timeout_s: float) -> str | None:

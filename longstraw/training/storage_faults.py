@@ -1,8 +1,9 @@
 """Storage faults met mid-run, said as one line that names the path and what to do.
 
 A disk that fills, a volume that turns read-only, write permission taken away, an S3 endpoint
-that refuses connections or stops answering, a prompt-state chunk whose bytes differ from its
-manifest: each reaches the run as an OSError, a botocore error or a StateIntegrityError, often
+that refuses connections, stops answering or answers 5xx, S3 credentials refused mid-run, a
+prompt-state chunk whose bytes differ from its manifest: each reaches the run as an OSError, a
+botocore error (s3fs's OSError for an error answer) or a StateIntegrityError, often
 wrapped (safetensors, zarr, Prefect) and behind hundreds of lines of traceback. `storage_fault`
 finds it in an exception's chain and turns it into a `StorageFault` ("<what> — <fix>"). Every
 stage raises that instead (`storage_faults`), so Prefect's console shows none of it (it is a
@@ -11,7 +12,9 @@ UserError, `orchestration.console`), and `longstraw train` prints it as its last
 
 Nothing half-written is read afterwards: checkpoints commit by a rename, prompt states by a marker
 written last, metrics and the plot by a rename; a failed checkpoint write removes its temporary
-directory. So each fault is followed by `--resume` once its cause is fixed.
+directory. So each fault is followed by `--resume` once its cause is fixed. Prefect's task
+retries leave a StorageFault alone (`orchestration.policies.retry_on_transient`): the S3
+client's own attempts (`storage.s3_max_attempts`, with backoff) are the one bound on a stall.
 """
 
 from __future__ import annotations
@@ -102,12 +105,15 @@ def storage_fault(
     for error in chain:
         if isinstance(error, StateIntegrityError):
             return damaged_state(error)
-    for error in chain:
-        if isinstance(error, OSError) and error.errno in _FULL | _READ_ONLY | _DENIED | _IO:
-            return _os_fault(error.errno, error.filename, config, doing)
+    # Before the OSErrors: s3fs turns an S3 error answer into one (HTTP 500 -> EREMOTEIO,
+    # 503 -> EBUSY, an unknown code -> EIO, AccessDenied -> PermissionError), which would read
+    # as a fault of the local volume.
     for error in chain:
         if (fault := _s3_fault(error, config)) is not None:
             return fault
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in _FULL | _READ_ONLY | _DENIED | _IO:
+            return _os_fault(error.errno, error.filename, config, doing)
     for error in chain:
         match = _ERRNO_IN_TEXT.search(str(error))
         code = int(match.group(1) or match.group(2)) if match else None
@@ -202,24 +208,69 @@ def _step_writes(config: RunConfig) -> dict[str, int] | None:
     return writes
 
 
+_S3_TRANSIENT_CODES = frozenset(
+    {"PriorRequestNotComplete", "RequestThrottled", "RequestTimeout", "Throttling", "SlowDown"}
+)
+"""S3 error codes below HTTP 500 that botocore's retry mode retries as the server's trouble."""
+
+_S3_CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AccountProblem",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "RequestTimeTooSkewed",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
+)
+"""S3 error codes that mean the credentials no longer do (a session token expired, a key was
+revoked, this machine's clock drifted): the preflight's probe passed with them at the start."""
+
+
 def _s3_fault(error: BaseException, config: RunConfig) -> StorageFault | None:
     try:
+        from botocore.exceptions import ClientError, HTTPClientError
         from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
     except ImportError:
         return None
+    storage = config.storage
+    if isinstance(error, ClientError):
+        # An answer: the server's trouble (5xx and throttling, after botocore's retries) or the
+        # credentials' (not retried); any other code (NoSuchKey, …) is not the storage's fault.
+        code = error.response.get("Error", {}).get("Code", "?")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        answered = f"answered HTTP {status} {code} to {error.operation_name}"
+        endpoint = _endpoint(None, storage)
+        if status >= 500 or code in _S3_TRANSIENT_CODES:
+            what = (
+                f"{endpoint} {answered} at {storage.root_uri}, after "
+                f"{storage.s3_max_attempts} attempts"
+            )
+            fix = (
+                "check the S3 server's health and logs, or raise storage.s3_max_attempts to "
+                "wait out a longer outage (each attempt backs off up to 20 s)"
+            )
+        elif code in _S3_CREDENTIAL_CODES or status == 403:
+            what = f"{endpoint} refused the credentials ({answered}) at {storage.root_uri}"
+            fix = (
+                "renew or correct them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                "AWS_SESSION_TOKEN: a session token expires; AWS_PROFILE), check that they may "
+                f"write under {storage.root_uri} and that this machine's clock is right"
+            )
+        else:
+            return None
+        return StorageFault(what, fix, path=storage.root_uri, kind="s3")
     if not isinstance(error, BotoConnectionError | HTTPClientError):
         return None
     from longstraw.storage.s3_client import failure_description
 
-    storage = config.storage
     what = failure_description(error, None, storage.s3_read_timeout_s) or (
         f"failed ({type(error).__name__}: {error})"
     )
     url = getattr(error, "kwargs", {}).get("endpoint_url")
-    # http://host:port/bucket/key?query -> s3://bucket/key (a query may carry an upload id).
-    url = f"s3://{urlsplit(url).path.lstrip('/')}" if url else storage.root_uri
-    endpoint = storage.s3_endpoint_url or "the S3 endpoint"
     fix = (
         "check that the S3 server is running and reachable there (storage.s3_endpoint_url, "
         "AWS_ENDPOINT_URL_S3)"
@@ -227,11 +278,36 @@ def _s3_fault(error: BaseException, config: RunConfig) -> StorageFault | None:
     if "did not answer" in what:
         fix += ", or raise storage.s3_read_timeout_s for a slow one"
     return StorageFault(
-        f"S3 endpoint {endpoint} {what} at {url}, after {storage.s3_max_attempts} attempts",
+        f"{_endpoint(url, storage)} {what} at {_object_uri(url, storage)}, after "
+        f"{storage.s3_max_attempts} attempts",
         fix,
-        path=url,
+        path=_object_uri(url, storage),
         kind="s3",
     )
+
+
+def _endpoint(url: str | None, storage) -> str:
+    """'S3 endpoint http://host:port' of the request that failed (a rank's own route, the
+    environment's AWS_ENDPOINT_URL_S3), else of the config; 'the S3 endpoint' for AWS's."""
+    parts = urlsplit(url) if url else None
+    endpoint = f"{parts.scheme}://{parts.netloc}" if parts and parts.netloc else None
+    endpoint = endpoint or storage.s3_endpoint_url
+    return f"S3 endpoint {endpoint}" if endpoint else "the S3 endpoint"
+
+
+def _object_uri(url: str | None, storage) -> str:
+    """http://host:port/bucket/key?query (or https://bucket.host/key) -> s3://bucket/key; the
+    root when unknown. Of the query only a listing's prefix is said (it may carry an upload id)."""
+    if not url:
+        return storage.root_uri
+    from longstraw.storage.s3_client import request_target
+
+    parts = urlsplit(url)
+    path = request_target(url).lstrip("/")
+    bucket = urlsplit(storage.root_uri).netloc
+    if bucket and parts.netloc.startswith(f"{bucket}."):  # virtual-hosted style
+        path = f"{bucket}/{path}"
+    return f"s3://{path}"
 
 
 def damaged_state(error: StateIntegrityError) -> StorageFault:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from flow_helpers import (
     NUM_GENERATIONS,
@@ -78,12 +79,21 @@ def test_sigkill_mid_step_then_resume_reuses_shards_and_matches_uninterrupted(
             assert time.monotonic() < deadline, "step 1's prompt state was never committed"
             time.sleep(0.02)
         time.sleep(KILL_DELAY_S)
+        # The embedded Prefect server has a session of its own, out of the signal's reach: it
+        # must go by itself, as after a SIGKILL of the trainer alone (an OOM kill).
+        children = psutil.Process(process.pid).children(recursive=True)
+        commands = [" ".join(c.cmdline()) for c in children]
         os.killpg(process.pid, signal.SIGKILL)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL
+    assert any("embedded_server" in command for command in commands), commands
+    _, alive = psutil.wait_procs(children, timeout=5)  # it looks for its parent every second
+    for child in alive:
+        child.kill()
+    assert not alive, f"outlived the SIGKILLed trainer: {[c.pid for c in alive]}"
     assert not (run_dir / "checkpoints" / "v000002").exists(), (
         "the kill came after step 1's checkpoint: raise LONGSTRAW_TEST_REWARD_DELAY_S"
     )

@@ -256,6 +256,25 @@ def test_retry_condition_retries_transient_faults_only():
     assert retry_on_transient(None, None, _State(None)) is False
 
 
+def test_no_task_retries_a_storage_fault():
+    """A storage fault (a full or read-only volume, an S3 endpoint still down or frozen after
+    its own `storage.s3_max_attempts`, a damaged state) is not retried by Prefect: the S3
+    client's attempts are the one bound on a stall, with or without Prefect, and a task retry
+    would redo the stage's compute only to wait as long again (docs/operations.md)."""
+    from prefect import Task
+
+    from longstraw.orchestration import stages as tasks
+    from longstraw.training.storage_faults import StorageFault
+
+    retried = [t for t in vars(tasks).values() if isinstance(t, Task) and t.retries]
+    assert len(retried) >= 8, [t.name for t in retried]
+    for task in retried:
+        assert task.retry_condition_fn is retry_on_transient, task.name
+    for kind in ("s3", "full", "read-only", "damaged-state"):
+        fault = StorageFault("what", "fix", path="s3://bucket/key", kind=kind)
+        assert retry_on_transient(None, None, _State(fault)) is False, kind
+
+
 def test_grad_ref_digest_tells_equal_doubled_and_partial_contributions_apart():
     from longstraw.engine.group import GradBuffer
 

@@ -100,7 +100,7 @@ def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert g.dtype == w.dtype and g.shape == w.shape, (
             f"{name}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
         )
-        ints = {2: torch.int16, 4: torch.int32}[w.element_size()]
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
         if not torch.equal(g.contiguous().view(ints), w.contiguous().view(ints)):
             diff = (g.float() - w.float()).abs()
             raise AssertionError(
