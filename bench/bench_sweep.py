@@ -7,8 +7,9 @@ checkpoint path a user's takes): prefill a random prompt of P tokens in 2048-tok
 one exact-mode group gradient of G = 8 random 32-token responses (`accumulate_group_gradients`,
 `loss_type: dapo`). Prints, per repeat, the prefill, replay and sweep seconds and the sweep as a
 multiple of the prefill of the same prompt (measured in the same process, so a load shared by
-both moves both), and how often transformers' delta-rule kernel ran during the sweep's backward
-(activation checkpointing's recompute of each layer). Writes JSON (`--out`).
+both moves both), and how often transformers' delta-rule kernel and the prefix attention's
+forward ran during the sweep's backward (activation checkpointing's recompute of each layer).
+Writes JSON (`--out`).
 
 Before / after a change: run it from a checkout of each commit (`PYTHONPATH=<checkout>`),
 alternated.
@@ -31,6 +32,7 @@ import longstraw
 from longstraw.engine import sweep
 from longstraw.models.checkpoint import load_checkpoint
 from longstraw.models.factory import init_model
+from longstraw.ops import prefix_attention
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.run import EngineConfig
 
@@ -39,16 +41,30 @@ GROUP = 8
 COMPLETION = 32
 
 
-def _counting_kernel_calls() -> list[int]:
-    """Count the delta-rule kernel's calls while a sweep shard's backward runs."""
+def _counting_calls_in_backward() -> dict[str, int]:
+    """Count the delta-rule kernel's and the prefix attention's forwards while a sweep shard's
+    backward runs."""
+    calls = {"delta_rule": 0, "attention": 0}
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            calls[name] += bool(sweep._LAYER_RECOMPUTE_SKIPS_MLP[0])
+            return function(*args, **kwargs)
+
+        return counted
+
     kernel = modeling_qwen3_5.torch_chunk_gated_delta_rule
-    calls = [0]
-
-    def counted(*args, **kwargs):
-        calls[0] += bool(sweep._LAYER_RECOMPUTE_SKIPS_MLP[0])
-        return kernel(*args, **kwargs)
-
-    modeling_qwen3_5.torch_chunk_gated_delta_rule = counted
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = counting("delta_rule", kernel)
+    # Before the change that split it out, the attention's forward ran inside its autograd
+    # Function; count that then.
+    if hasattr(prefix_attention, "_attention_outputs"):
+        forward = prefix_attention._attention_outputs
+        prefix_attention._attention_outputs = counting("attention", forward)
+    else:
+        forward = prefix_attention._PrefixCachedAttention.forward
+        prefix_attention._PrefixCachedAttention.forward = staticmethod(
+            counting("attention", forward)
+        )
     return calls
 
 
@@ -58,7 +74,7 @@ def run(prompt_len: int, seed: int, model) -> dict:
     prompt = torch.randint(0, vocab, (prompt_len,), generator=generator)
     responses = [torch.randint(0, vocab, (COMPLETION,), generator=generator) for _ in range(GROUP)]
     advantages = torch.randn(GROUP, generator=generator)
-    calls = _counting_kernel_calls()
+    calls = _counting_calls_in_backward()
     started = time.perf_counter()
     state = longstraw.prefill(model, prompt, shard_tokens=SHARD_TOKENS)
     prefill_s = time.perf_counter() - started
@@ -76,7 +92,8 @@ def run(prompt_len: int, seed: int, model) -> dict:
         "replay_s": stats.seconds.replay,
         "sweep_s": stats.seconds.sweep,
         "sweep_over_prefill": stats.seconds.sweep / prefill_s,
-        "delta_rule_calls_in_backward": calls[0],
+        "delta_rule_calls_in_backward": calls["delta_rule"],
+        "attention_forwards_in_backward": calls["attention"],
         "load_average": os.getloadavg()[0],
     }
 
@@ -98,8 +115,9 @@ def main() -> None:
         print(
             f"P={args.prompt_len} threads={args.threads}: prefill {row['prefill_s']:.1f} s, "
             f"replay {row['replay_s']:.1f} s, sweep {row['sweep_s']:.1f} s = "
-            f"{row['sweep_over_prefill']:.2f} x prefill; delta-rule kernel calls in the "
-            f"sweep's backward: {row['delta_rule_calls_in_backward']} "
+            f"{row['sweep_over_prefill']:.2f} x prefill; in the sweep's backward "
+            f"{row['delta_rule_calls_in_backward']} delta-rule and "
+            f"{row['attention_forwards_in_backward']} attention forwards "
             f"(load {row['load_average']:.1f})",
             flush=True,
         )
