@@ -193,6 +193,15 @@ def _flash_forward(
     return out, lse
 
 
+def _prefixes(k_TKD, v_TKD, grad_k_TKD, grad_v_TKD, extra_prefix) -> list[tuple]:
+    """Every prefix as (k, v, grad_k, grad_v): the prompt's, then an optional second one (a long
+    branch's own earlier segments, `longstraw.engine.segmented_replay`)."""
+    prefixes = [(k_TKD, v_TKD, grad_k_TKD, grad_v_TKD)]
+    if extra_prefix is not None:
+        prefixes.append(tuple(extra_prefix))
+    return prefixes
+
+
 def _attention_outputs(
     q_BHRD: Tensor,
     k_branch_BKRD: Tensor,
@@ -279,11 +288,9 @@ class _PrefixCachedAttention(torch.autograd.Function):
         extra_prefix: tuple | None = None,
         outputs: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        # Every prefix as (k, v, grad_k, grad_v): the prompt's, then an optional second one (a
-        # long branch's own earlier segments, longstraw.engine.segmented_replay).
-        prefixes = [(k_prefix_TKD, v_prefix_TKD, prefix_grad_k_TKD, prefix_grad_v_TKD)]
-        if extra_prefix is not None:
-            prefixes.append(tuple(extra_prefix))
+        prefixes = _prefixes(
+            k_prefix_TKD, v_prefix_TKD, prefix_grad_k_TKD, prefix_grad_v_TKD, extra_prefix
+        )
         if outputs is None:
             out_BHRV, lse_BKGR = _attention_outputs(
                 q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, scale, chunk_size
@@ -568,9 +575,7 @@ def prefix_attention_outputs(
 ) -> tuple[Tensor, Tensor]:
     """(out_BHRV in q's dtype, lse_BKGR) of `prefix_cached_attention` on the same inputs, without
     autograd: what its forward computes and keeps for backward."""
-    prefixes = [(k_prefix_TKD, v_prefix_TKD, None, None)]
-    if extra_prefix is not None:
-        prefixes.append(tuple(extra_prefix))
+    prefixes = _prefixes(k_prefix_TKD, v_prefix_TKD, None, None, extra_prefix)
     return _attention_outputs(
         q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, float(scale), chunk_size
     )
