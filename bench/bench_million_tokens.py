@@ -27,6 +27,11 @@ manifests are reused, not recomputed (`longstraw train --resume` when the run ha
 SIGKILLed once half its shards are committed and resumed; the record says how many shards the
 resumed process reused and whether the final checkpoints are bitwise equal.
 A run whose RSS passes `--rss-cap-gib` is killed and recorded as such.
+
+`--model narrow` runs the plan on a narrower hybrid instead (`narrow_config`: the `tiny`
+config with one gated full-attention layer after three Gated DeltaNet layers and one query / kv
+head), written under `--work` through the same `write_random_checkpoint` as `init-model`'s; its
+runs use their own folders, and its results default to `million_tokens_narrow.json`.
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ import psutil
 import yaml
 
 RUN_ID = "bench"
+MODELS = ("tiny", "narrow")
+NARROW = {
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+}
+"""What `narrow` changes in the `tiny` qwen3_5 config: one attention layer of one head (the
+prompt attention's P² term is 1/8 of tiny's), the Gated DeltaNet and MLP sizes unchanged."""
 DEFAULT_PLAN = (
     "131072:detached,131072:exact,524288:detached,1048576:detached,1048576:exact,2097152:detached"
 )
@@ -57,6 +70,35 @@ STAGE_ORDER = (
     "checkpoint",
 )  # fmt: skip
 """The order `run_step` runs its stages in (the per-stage RSS windows are laid out in it)."""
+
+
+def narrow_config():
+    """The `tiny` qwen3_5 config with `NARROW`'s fields: still both layer kinds, GQA 1:1."""
+    from longstraw.models.factory import build_config
+
+    config = build_config("qwen3_5", "tiny")
+    for field, value in NARROW.items():
+        setattr(config, field, value)
+    assert len(config.layer_types) == config.num_hidden_layers
+    assert {"linear_attention", "full_attention"} <= set(config.layer_types)
+    assert config.num_attention_heads % config.num_key_value_heads == 0
+    return config
+
+
+def build_model(args) -> Path:
+    """The run's checkpoint under `--work`, built once: `init-model`'s tiny, or the narrow one."""
+    if args.model == "tiny":
+        model = args.work / "model"
+        if not (model / "longstraw.json").exists():
+            subprocess.run([sys.executable, "-m", "longstraw.cli", "init-model", "--family",
+                            "qwen3_5", "--size", "tiny", "--out", str(model)], check=True)  # fmt: skip
+        return model
+    model = args.work / f"model-{args.model}"
+    if not (model / "longstraw.json").exists():
+        from longstraw.models.factory import write_random_checkpoint
+
+        write_random_checkpoint(narrow_config(), model)
+    return model
 
 
 def log(message: str) -> None:
@@ -69,7 +111,7 @@ def run_yaml(args, root: Path, prompt_len: int, mode: str, budget: int | None) -
         engine |= {"state_budget_bytes": budget, "state_tier": "disk", "state_dir": str(root)}
     return {
         "run_id": RUN_ID,
-        "model": {"checkpoint": str(args.work / "model"), "dtype": "float32"},
+        "model": {"checkpoint": str(args.model_dir), "dtype": "float32"},
         "engine": engine,
         "grpo": {
             "num_generations": args.group,
@@ -261,7 +303,8 @@ def kill_check(args, results: dict, save) -> None:
     if label in results:
         return
     config_of = lambda root: run_yaml(args, root, args.kill_check, "exact", None)  # noqa: E731
-    whole_root, killed_root = args.work / f"{label}-whole", args.work / f"{label}-killed"
+    folder = label if args.model == "tiny" else f"{label}-{args.model}"
+    whole_root, killed_root = args.work / f"{folder}-whole", args.work / f"{folder}-killed"
     whole = launch(args, whole_root, config_of(whole_root), f"{label} uninterrupted")
     total = whole["shards_total"]
     first = launch(args, killed_root, config_of(killed_root), f"{label} killed", total // 2)
@@ -280,7 +323,7 @@ def kill_check(args, results: dict, save) -> None:
     )
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, model: str = "tiny") -> None:
     """Step time per stage and peak RSS against P, one line per mode (resident runs); prefill
     and whole-step times only from runs that computed every shard themselves."""
     import matplotlib
@@ -325,7 +368,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("One GRPO step of longstraw train, tiny qwen3_5, G = 8, 16-token completions")
+    fig.suptitle(f"One GRPO step of longstraw train, {model} qwen3_5, G = 8, 16-token completions")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -374,7 +417,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="P:mode,... in the order to run")
     parser.add_argument("--work", type=Path, required=True, help="run folders (never committed)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/million_tokens.json"))
+    parser.add_argument("--model", choices=MODELS, default="tiny", help="the checkpoint to run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="bench/results/million_tokens.json (million_tokens_narrow.json)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="skip recorded runs, continue one")
     parser.add_argument("--budget-mib", type=float, default=16.0)
     parser.add_argument("--no-budget-runs", action="store_true")
@@ -388,11 +433,15 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="only draw `--out` to this PNG")
     parser.add_argument("--table", action="store_true", help="only print `--out` as markdown")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.model == "tiny" else f"_{args.model}"
+        args.out = Path(f"bench/results/million_tokens{suffix}.json")
     if args.table:
         print(table(json.loads(args.out.read_text())["runs"]))
         return
     if args.plot is not None:
-        plot(json.loads(args.out.read_text())["runs"], args.plot)
+        document = json.loads(args.out.read_text())
+        plot(document["runs"], args.plot, document.get("args", {}).get("model", "tiny"))
         return
     args.work = args.work.resolve()
     previous = json.loads(args.out.read_text()) if args.resume and args.out.exists() else {}
@@ -409,10 +458,7 @@ def main() -> None:
         tmp.write_text(json.dumps(document | {"runs": results}, indent=2))
         os.replace(tmp, args.out)
 
-    model = args.work / "model"
-    if not (model / "longstraw.json").exists():
-        subprocess.run([sys.executable, "-m", "longstraw.cli", "init-model", "--family", "qwen3_5",
-                        "--size", "tiny", "--out", str(model)], check=True)  # fmt: skip
+    args.model_dir = build_model(args)
     if args.kill_check is not None:
         kill_check(args, results, save)
     # Every resident run first (the plan's order), then the budgeted ones: the figures the
@@ -422,7 +468,8 @@ def main() -> None:
     runs = [(length, mode, None) for length, mode in entries]
     runs += [(length, mode, budget) for length, mode in entries if budget is not None]
     for length, mode, budget_bytes in runs:
-        resident = args.work / f"{length}-{mode}"
+        suffix = "" if args.model == "tiny" else f"-{args.model}"
+        resident = args.work / f"{length}-{mode}{suffix}"
         if budget_bytes is None:
             label, root = f"{length}-{mode}-resident", resident
         else:

@@ -197,9 +197,20 @@ def init_model(
     The directory holds what `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
     load unchanged, plus `longstraw.json` (weights digest, policy version 0).
     """
+    return write_random_checkpoint(build_config(family, size), out_dir, seed=seed, dtype=dtype)
+
+
+def write_random_checkpoint(
+    config: PretrainedConfig,
+    out_dir: str | Path,
+    *,
+    seed: int = 42,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random-weight checkpoint of any `config` (one of `build_config`'s, or one derived
+    from it) to `out_dir` the way `init_model` does; returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = build_config(family, size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(
