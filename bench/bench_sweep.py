@@ -8,7 +8,8 @@ one exact-mode group gradient of G = 8 random 32-token responses (`accumulate_gr
 `loss_type: dapo`). Prints, per repeat, the prefill, replay and sweep seconds and the sweep as a
 multiple of the prefill of the same prompt (measured in the same process, so a load shared by
 both moves both), and how often transformers' delta-rule kernel and the prefix attention's
-forward ran during the sweep's backward (activation checkpointing's recompute of each layer).
+forward ran during the sweep's backward (activation checkpointing's recompute of each layer),
+and the process's peak RSS.
 Writes JSON (`--out`).
 
 Before / after a change: run it from a checkout of each commit (`PYTHONPATH=<checkout>`),
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -95,6 +97,8 @@ def run(prompt_len: int, seed: int, model) -> dict:
         "delta_rule_calls_in_backward": calls["delta_rule"],
         "attention_forwards_in_backward": calls["attention"],
         "load_average": os.getloadavg()[0],
+        # The process's peak so far (KiB on Linux): the sweep's, in exact mode, after the first.
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -118,7 +122,7 @@ def main() -> None:
             f"{row['sweep_over_prefill']:.2f} x prefill; in the sweep's backward "
             f"{row['delta_rule_calls_in_backward']} delta-rule and "
             f"{row['attention_forwards_in_backward']} attention forwards "
-            f"(load {row['load_average']:.1f})",
+            f"(load {row['load_average']:.1f}); peak RSS {row['peak_rss_mib']:.0f} MiB",
             flush=True,
         )
     if args.out is not None:
