@@ -12,24 +12,14 @@ import importlib.util
 import json
 import math
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_selfcheck.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_selfcheck", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
-def selfcheck():
-    return _load_script()
+def selfcheck(bench_script):
+    return bench_script("gpu_selfcheck")
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
-
-_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_million_tokens.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_million_tokens", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_narrow_checkpoint_has_one_single_head_attention_layer_among_delta_net_layers(tmp_path):
+def test_narrow_checkpoint_has_one_single_head_attention_layer_among_delta_net_layers(
+    tmp_path, bench_script
+):
     from transformers import AutoModelForCausalLM
 
-    bench = _script()
+    bench = bench_script("bench_million_tokens")
     path = bench.build_model(argparse.Namespace(model="narrow", work=tmp_path))
     assert path == tmp_path / "model-narrow"
     config = json.loads((path / "config.json").read_text())
