@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers.py, shared with the child-process script
 
-BUCKET = "longstraw-tests"
+from helpers import BUCKET
 
 
 @pytest.fixture(scope="session")

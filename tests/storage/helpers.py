@@ -12,6 +12,10 @@ from longstraw.storage.writer import StateWriter
 NUM_TOKENS = 63
 SHARD_TOKENS = 16
 
+BUCKET = "longstraw-tests"
+"""The loopback S3 server's bucket (conftest's `s3_server`); here, not in conftest, since another
+folder's conftest may be the module named `conftest` when several folders are collected."""
+
 
 def make_layout(
     dtype: str = "float32", num_tokens: int = NUM_TOKENS, shard_tokens: int = SHARD_TOKENS

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUCKET
 from fault_runs import (
     REPO,
     S3Proxy,
@@ -26,7 +25,7 @@ from fault_runs import (
     run_train,
     write_run,
 )
-from helpers import assert_bitwise_equal
+from helpers import BUCKET, assert_bitwise_equal
 
 # Faults under one rank only, every process importing this sitecustomize (the test's directory
 # is first on PYTHONPATH):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import BUCKET
+from helpers import BUCKET
 
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig

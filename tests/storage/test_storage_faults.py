@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import BUCKET
 from fault_runs import (
     S3Proxy,
     assert_one_error_line,
@@ -34,7 +33,7 @@ from fault_runs import (
     run_train,
     write_run,
 )
-from helpers import assert_bitwise_equal
+from helpers import BUCKET, assert_bitwise_equal
 
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
