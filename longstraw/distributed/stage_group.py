@@ -19,6 +19,13 @@ their outcome, so an error on any rank fails the stage on all of them with that 
 traceback; a rank that died breaks the connections and fails the driver's next collective with
 `RankFailedError`.
 
+Data-parallel replicas (`parallel.data_parallel: R`): the world is R replicas of S sequence ranks
+(global rank d · S + s). The driver drives each replica from a thread of its own, its "lane"
+(`on_replica(d)`): a stage called in lane d runs on replica d's ranks only, over that replica's
+groups (`Replica`), so the replicas run different groups at once. Between `replicas_serving()`'s
+entry and exit the serving ranks listen to their replica's channel instead of the world's; the
+stages that span the replicas (plan, reduce, update, checkpoint) run outside it, on every rank.
+
 A `UserError` in a stage (a storage fault: a full disk, a damaged state; a failing reward) ends
 the run as the same one line on any rank. It may come in the middle of the stage's collectives,
 so it does not wait for the outcome exchange: the driver raises its own at once; a serving rank
@@ -43,7 +50,8 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -56,9 +64,76 @@ from longstraw.errors import UserError
 F = TypeVar("F", bound=Callable[..., Any])
 
 _STOP = "__stop__"
+_REPLICAS = "__replicas__"
+"""World command: every serving rank listens to its replica's channel until `_LEAVE`."""
+_LEAVE = "__leave__"
 _FAULT_KEY = "longstraw/stage-fault"
 """Store key of a serving rank's UserError: (rank, stage, traceback, pickled error)."""
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One data-parallel replica: S consecutive ranks that share each of its prompts' states."""
+
+    index: int
+    """d: which replica (global ranks d · S … d · S + S - 1)."""
+    ranks: tuple[int, ...]
+    control: dist.ProcessGroup | None
+    """gloo group of the replica's ranks: the Python objects a stage passes between them (None:
+    the default group, where the replica is the whole world)."""
+    sequence: dist.ProcessGroup | None
+    """The replica's ranks on `parallel.backend`: the prompt state's traffic (None: the default
+    group)."""
+    channel: dist.ProcessGroup | None
+    """gloo group of rank 0 and the replica's ranks: the driver's commands and the stage's
+    outcome (replica 0's is `control`, rank 0 being its first rank)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        return replica_name(self.index, self.size)
+
+
+def replica_name(index: int, size: int) -> str:
+    """ "replica 1 (ranks 2-3)": how names and errors say where a group ran (replica `index` of
+    `size` sequence ranks)."""
+    first, last = index * size, (index + 1) * size - 1
+    where = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return f"replica {index} ({where})"
+
+
+def replica_groups(world_size: int, data_parallel: int, backend: str, timeout) -> list[Replica]:
+    """Every replica's groups (collective: every rank creates every group, in the same order)."""
+    size = world_size // data_parallel
+    replicas = []
+    for d in range(data_parallel):
+        ranks = tuple(range(d * size, (d + 1) * size))
+        control = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        sequence = (
+            control
+            if backend == "gloo"
+            else dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        )
+        channel = (
+            control if d == 0 else dist.new_group([0, *ranks], backend="gloo", timeout=timeout)
+        )
+        replicas.append(Replica(d, ranks, control, sequence, channel))
+    return replicas
+
+
+def data_groups(world_size: int, data_parallel: int, backend: str, timeout) -> list:
+    """[S] groups of the ranks with the same sequence index across the replicas (rank s, S + s,
+    …): where the replicas' gradients are summed (collective, like `replica_groups`)."""
+    size = world_size // data_parallel
+    return [
+        dist.new_group(
+            [d * size + s for d in range(data_parallel)], backend=backend, timeout=timeout
+        )
+        for s in range(size)
+    ]
 
 
 class StageGroup:
@@ -71,10 +146,16 @@ class StageGroup:
         control: dist.ProcessGroup,
         procs: list,
         store: dist.Store | None = None,
+        replicas: list[Replica] = (),
+        data_group: dist.ProcessGroup | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
         self.control = control
+        self.replicas = list(replicas)
+        """Each data-parallel replica's groups (empty with one replica: it is the world)."""
+        self.data_group = data_group
+        """This rank's group across the replicas (None with one replica)."""
         self.procs = procs
         """Ranks this process spawned (empty under torchrun and on serving ranks)."""
         self.store = store
@@ -89,16 +170,43 @@ class StageGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_parallel(self) -> int:
+        return max(1, len(self.replicas))
+
+    @property
+    def replica(self) -> Replica | None:
+        """This rank's replica (None with one replica)."""
+        if not self.replicas:
+            return None
+        return self.replicas[self.rank // self.replicas[0].size]
+
     def inside_stage(self) -> bool:
         return getattr(self.serving, "active", False)
 
+    def scope(self) -> Replica | None:
+        """The replica the stage running in this thread spans (None: every rank)."""
+        return getattr(self.serving, "scope", None)
+
+    def lane(self) -> int | None:
+        """The replica this driver thread's stage calls go to (`on_replica`; None: every rank)."""
+        return getattr(self.serving, "lane", None)
+
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
-        """Run stage `name` on every rank; rank 0's result."""
+        """Run stage `name` on every rank — or, in a replica's lane, on that replica's ranks —;
+        the result of rank 0 (of the replica's first rank)."""
         assert self.is_driver, "only rank 0 drives stages"
         assert not self.broken, "the rank group ended with a failed stage; start a new one"
+        lane = self.lane()
+        replica = None if lane is None else self.replicas[lane]
         try:
-            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
-            return self._run(name, args, kwargs)
+            if replica is None:
+                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
+                return self._run(name, args, kwargs)
+            dist.broadcast_object_list([(name, args, kwargs)], group=replica.channel, group_src=0)
+            if replica.index == 0:
+                return self._run(name, args, kwargs, replica)
+            return self._relay(name, replica)
         except (RankFailedError, UserError):
             raise
         except (RuntimeError, ConnectionError) as error:
@@ -114,9 +222,18 @@ class StageGroup:
                 ) from error
             raise
 
-    def _run(self, name: str, args: tuple, kwargs: dict) -> Any:
+    def _relay(self, name: str, replica: Replica) -> Any:
+        """The outcome of stage `name` on `replica` (the driver is not one of its ranks): its
+        first rank's result, or its failure."""
+        outcomes: list[Any] = [None] * (replica.size + 1)
+        dist.all_gather_object(outcomes, (None, None), group=replica.channel)
+        _raise_failure(name, [failure for failure, _ in outcomes])
+        return outcomes[1][1]
+
+    def _run(self, name: str, args: tuple, kwargs: dict, replica: Replica | None = None) -> Any:
         fn = _resolve(name)
         self.serving.active = True
+        self.serving.scope = replica
         try:
             result, failure = fn(*args, **kwargs), None
         except Exception as error:  # reported to every rank below
@@ -132,12 +249,18 @@ class StageGroup:
                 sys.stderr.flush()
         finally:
             self.serving.active = False
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, failure, group=self.control)
-        failed = [o for o in outcomes if o is not None]
-        if failed:
-            rank, kind, detail = failed[0]
-            raise RankFailedError(rank, f"stage {name} raised {kind} on rank {rank}:\n{detail}")
+            self.serving.scope = None
+        if replica is None:
+            outcomes: list[Any] = [None] * self.world_size
+            dist.all_gather_object(outcomes, failure, group=self.control)
+            _raise_failure(name, outcomes)
+            return result
+        # A replica's first rank hands its result to the driver when the driver is not it.
+        relayed = result if self.rank == replica.ranks[0] and self.rank != 0 else None
+        members = replica.size + (replica.index != 0)
+        gathered: list[Any] = [None] * members
+        dist.all_gather_object(gathered, (failure, relayed), group=replica.channel)
+        _raise_failure(name, [f for f, _ in gathered])
         return result
 
     def _end_with(self, error: UserError, name: str) -> bool:
@@ -174,12 +297,43 @@ class StageGroup:
             name, args, kwargs = message[0]
             if name == _STOP:
                 return
+            if name == _REPLICAS:
+                if not self._serve_replica():
+                    return
+                continue
             try:
                 self._run(name, args, kwargs)
             except RankFailedError:
                 pass  # the driver raises it; a serving rank goes on to the next command
             except UserError:
                 return  # left in the store for the driver: this rank leaves the group
+
+    def _serve_replica(self) -> bool:
+        """Run the stages the driver sends this rank's replica until it leaves replica mode;
+        False where a UserError ended this rank's part in the group."""
+        replica = self.replica
+        while True:
+            message: list[Any] = [None]
+            dist.broadcast_object_list(message, group=replica.channel, group_src=0)
+            name, args, kwargs = message[0]
+            if name == _LEAVE:
+                return True
+            try:
+                self._run(name, args, kwargs, replica)
+            except RankFailedError:
+                pass
+            except UserError:
+                return False
+
+    def enter_replicas(self) -> None:
+        """Every serving rank listens to its replica's channel (driver; a no-op with one)."""
+        if self.replicas:
+            dist.broadcast_object_list([(_REPLICAS, (), {})], src=0, group=self.control)
+
+    def leave_replicas(self) -> None:
+        """Every serving rank listens to the world's channel again (driver)."""
+        for replica in self.replicas:
+            dist.broadcast_object_list([(_LEAVE, (), {})], group=replica.channel, group_src=0)
 
     def dead_rank(self) -> tuple[int, int] | None:
         """(rank, exit code) of a spawned rank that has exited, if any."""
@@ -205,6 +359,13 @@ class StageGroup:
             dist.destroy_process_group()
 
 
+def _raise_failure(name: str, failures: list[Any]) -> None:
+    failed = [f for f in failures if f is not None]
+    if failed:
+        rank, kind, detail = failed[0]
+        raise RankFailedError(rank, f"stage {name} raised {kind} on rank {rank}:\n{detail}")
+
+
 _active: StageGroup | None = None
 _active_lock = threading.Lock()
 _after_stop: list[Callable[[], None]] = []
@@ -215,20 +376,68 @@ def active_group() -> StageGroup | None:
     return _active
 
 
+def stage_ranks() -> tuple[int, int]:
+    """(this rank's index, the number of ranks) among those running the current stage: its
+    replica's, or every rank's; (0, 1) in a single process."""
+    if _active is None:
+        return 0, 1
+    scope = _active.scope()
+    if scope is None:
+        return _active.rank, _active.world_size
+    return scope.ranks.index(_active.rank), scope.size
+
+
+def stage_control() -> dist.ProcessGroup | None:
+    """The gloo group of the ranks running the current stage (its replica's, or the world's)."""
+    scope = _active.scope()
+    return _active.control if scope is None else scope.control
+
+
 def is_writer() -> bool:
-    """True on the process that writes shared files: rank 0, or the only process."""
-    return _active is None or _active.rank == 0
+    """True on the process that writes the current stage's shared files: the first rank of the
+    ranks running it (rank 0, or its replica's first rank), or the only process."""
+    return stage_ranks()[0] == 0
 
 
 def from_writer(value: Any) -> Any:
-    """The writer's `value` on every process of the stage group (the others pass a placeholder):
-    what only rank 0 computes or writes (rewards, a checkpoint's ref) and every rank records.
-    One process: `value`."""
+    """The writer's `value` on every process running the stage (the others pass a placeholder):
+    what only the writer computes or writes (rewards, a checkpoint's ref) and every rank
+    records. One process: `value`."""
     if _active is None:
         return value
     shared = [value]
-    dist.broadcast_object_list(shared, src=0, group=_active.control)
+    dist.broadcast_object_list(shared, group=stage_control(), group_src=0)
     return shared[0]
+
+
+@contextlib.contextmanager
+def replicas_serving() -> Iterator[None]:
+    """The block's stages may run in replica lanes (`on_replica`): the serving ranks listen to
+    their replicas (driver; a no-op without replicas). A group that broke inside is left as is
+    (`stop` ends it)."""
+    group = _active
+    if group is None or not group.replicas:
+        yield
+        return
+    group.enter_replicas()
+    yield
+    if not group.broken:
+        group.leave_replicas()
+
+
+@contextlib.contextmanager
+def on_replica(index: int) -> Iterator[None]:
+    """This thread's stage calls run on replica `index` (inside `replicas_serving`; a no-op
+    without replicas)."""
+    group = _active
+    if group is None or not group.replicas:
+        yield
+        return
+    group.serving.lane = index
+    try:
+        yield
+    finally:
+        group.serving.lane = None
 
 
 def _resolve(name: str) -> Callable[..., Any]:
@@ -275,10 +484,9 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _join(
-    rank: int, world_size: int, backend: str, timeout_s: float, init_method: str = "env://"
-) -> StageGroup:
-    timeout = datetime.timedelta(seconds=timeout_s)
+def _join(rank: int, parallel, init_method: str = "env://") -> StageGroup:
+    world_size, backend = parallel.world_size, parallel.backend
+    timeout = datetime.timedelta(seconds=parallel.timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(
@@ -286,18 +494,24 @@ def _join(
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     store = dist.distributed_c10d._get_default_store()
-    return StageGroup(rank, world_size, control, [], store)
+    replicas, data_group = [], None
+    if parallel.data_parallel > 1:
+        replicas = replica_groups(world_size, parallel.data_parallel, backend, timeout)
+        data_group = data_groups(world_size, parallel.data_parallel, backend, timeout)[
+            rank % parallel.sequence_ranks
+        ]
+    return StageGroup(rank, world_size, control, [], store, replicas, data_group)
 
 
-def _serve_spawned(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
+def _serve_spawned(rank: int, parallel, port: int) -> None:
     _die_with_parent()
     # `kill -USR1 <pid>` prints where a serving rank is (a hang's first question).
     faulthandler.register(signal.SIGUSR1)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(_threads_per_rank(world_size))
+    torch.set_num_threads(_threads_per_rank(parallel.world_size))
     global _active
-    _active = _join(rank, world_size, backend, timeout_s, f"tcp://127.0.0.1:{port}")
+    _active = _join(rank, parallel, f"tcp://127.0.0.1:{port}")
     try:
         _active.serve()
     finally:
@@ -345,7 +559,7 @@ def start_stage_group(parallel) -> StageGroup | None:
                     f"parallel.world_size is {parallel.world_size} but torchrun started "
                     f"{world} processes; set parallel.world_size: {world} (nnodes × nproc-per-node)"
                 )
-            group = _join(int(os.environ["RANK"]), world, parallel.backend, parallel.timeout_s)
+            group = _join(int(os.environ["RANK"]), parallel)
             if not group.is_driver:
                 _active = group
                 try:
@@ -359,7 +573,7 @@ def start_stage_group(parallel) -> StageGroup | None:
             procs = [
                 context.Process(
                     target=_serve_spawned,
-                    args=(rank, parallel.world_size, port, parallel.backend, parallel.timeout_s),
+                    args=(rank, parallel, port),
                     daemon=True,
                 )
                 for rank in range(1, parallel.world_size)
@@ -371,13 +585,7 @@ def start_stage_group(parallel) -> StageGroup | None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             torch.set_num_threads(_threads_per_rank(parallel.world_size))
             try:
-                group = _join(
-                    0,
-                    parallel.world_size,
-                    parallel.backend,
-                    parallel.timeout_s,
-                    f"tcp://127.0.0.1:{port}",
-                )
+                group = _join(0, parallel, f"tcp://127.0.0.1:{port}")
             except BaseException:
                 for proc in procs:
                     proc.kill()

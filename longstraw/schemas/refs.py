@@ -56,6 +56,9 @@ class GradRef(_Ref):
     """Completion tokens the contribution covers."""
     parts: tuple[GradPart, ...] = ()
     """Each rank's rows, in rank order, when the weights are sharded (else empty)."""
+    replica: int = Field(default=0, ge=0)
+    """The data-parallel replica whose ranks wrote `parts` (a group's contribution; a step's
+    reduced gradient has one part per rank of the run)."""
 
 
 class PromptRef(_Ref):

@@ -207,9 +207,14 @@ class ParallelConfig(_Section):
     """Processes that share one step (torch.distributed)."""
 
     world_size: int = Field(default=1, ge=1)
-    """Ranks that sequence-shard each prompt's state: prefill, rollout, scoring and backward run
-    on all of them (1: a single process). Without torchrun, `longstraw train` starts the other
-    ranks itself on this machine; under torchrun (several nodes) it must equal WORLD_SIZE."""
+    """Ranks of the run: `data_parallel` replicas × the sequence ranks that shard each prompt's
+    state (1: a single process). Prefill, rollout, scoring and backward of a group run on the
+    sequence ranks of one replica. Without torchrun, `longstraw train` starts the other ranks
+    itself on this machine; under torchrun (several nodes) it must equal WORLD_SIZE."""
+    data_parallel: int = Field(default=1, ge=1)
+    """R: replicas of the sequence-sharded engine; a step's groups are spread over them (group i
+    of the step on replica i mod R) and run at once, and their gradients are summed across the
+    replicas once per step. `world_size` must be a multiple of it."""
     backend: Literal["gloo", "nccl"] = "gloo"
     """torch.distributed backend of the tensors' traffic: gloo on CPU, nccl on GPUs (control
     messages between the ranks always go over gloo)."""
@@ -220,6 +225,21 @@ class ParallelConfig(_Section):
     timeout_s: float = Field(default=1800.0, gt=0)
     """Longest wait for another rank inside one collective before the step fails (a rank that
     died is usually noticed at once, by its closed connection)."""
+
+    @model_validator(mode="after")
+    def _replicas_divide_ranks(self) -> ParallelConfig:
+        if self.world_size % self.data_parallel:
+            raise ValueError(
+                f"world_size {self.world_size} is not a multiple of data_parallel "
+                f"{self.data_parallel}: set world_size to data_parallel × the sequence ranks of "
+                f"one replica (e.g. {self.data_parallel * max(1, self.world_size // self.data_parallel)})"
+            )
+        return self
+
+    @property
+    def sequence_ranks(self) -> int:
+        """S: the ranks that share one prompt's state (world_size / data_parallel)."""
+        return self.world_size // self.data_parallel
 
 
 class RunConfig(_Section):

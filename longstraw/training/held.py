@@ -127,13 +127,21 @@ def prefill_session(ctx: RunContext, example: PromptExample):
 
 def prefix_exchange() -> PrefixExchange:
     """How this process's stages read the prompt prefix: all of it here (one process), or
-    across the sequence group of the stage group this process is a rank of."""
+    across the sequence group this process is a rank of: the stage's replica, or every rank."""
     group = active_group()
     if group is None:
         return LOCAL
+    replica = group.scope()
+    if replica is None:
+        return _cross_rank(None, group.control)
+    # A replica of one rank holds its prompts' states whole, as a single process does.
+    return LOCAL if replica.size == 1 else _cross_rank(replica.sequence, replica.control)
+
+
+def _cross_rank(sequence, control) -> PrefixExchange:
     from longstraw.distributed.exchange import CrossRankExchange
 
-    return CrossRankExchange(control=group.control)
+    return CrossRankExchange(group=sequence, control=control)
 
 
 def prompt_state(ctx: RunContext, example: PromptExample):

@@ -33,6 +33,8 @@ from longstraw.distributed.stage_group import (
     from_writer,
     is_writer,
     on_all_ranks,
+    stage_control,
+    stage_ranks,
     when_ranks_stop,
 )
 from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
@@ -107,6 +109,15 @@ def plan_step(config: RunConfig, policy: PolicyRef) -> list[PromptRef]:
             )
         )
     return prompts
+
+
+@on_all_ranks
+@storage_faults
+def ready_to_compute(config: RunConfig, policy: PolicyRef) -> None:
+    """Every rank holds the policy at `policy`'s version with its weights gathered: what the
+    stages a data-parallel replica runs on its own ranks need first (loading and gathering the
+    sharded policy are collectives of every rank)."""
+    held.policy(config, policy).gather_weights()
 
 
 @on_all_ranks
@@ -433,10 +444,15 @@ def backward_group(
         if record.importance_weights is None
         else [torch.tensor(w) for w in record.importance_weights],
     )
-    # Each rank (one process: the only one) holds its part of the state and of the gradient.
+    # Each rank (one process: the only one) holds its part of the state and of the gradient:
+    # with data-parallel replicas, the rows the replicas' sum leaves on its FSDP shards
+    # (`distributed.gradient_slices`; a replica of one rank holds them all).
+    exchange = held.prefix_exchange()
+    replicas = config.parallel.data_parallel if config.parallel.sequence_ranks > 1 else 1
     grads, stats = group_gradient(
-        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange()
-    )
+        ctx.model, state, inputs, config.grpo, config.engine, exchange=exchange,
+        data_size=replicas,
+    )  # fmt: skip
     stats = stats.model_copy(
         update={"seconds": stats.seconds.model_copy(update={"prefill": prefill_seconds})}
     )
@@ -450,21 +466,21 @@ def backward_group(
 
 
 def _store_grads(ctx, path, grads: dict[str, torch.Tensor], version: int, tokens: int) -> GradRef:
-    """Store a gradient: whole, by rank 0 (one process, or replicated on the ranks); or, when
-    the policy is sharded, each rank its own rows (`GradRef.parts`)."""
+    """Store a gradient: whole (one process); or, when the policy is sharded, each rank running
+    the stage its own rows (`GradRef.parts`, in the order of those ranks: a replica's, or the
+    run's)."""
     if ctx.weights is None:
-        return artifacts.write_grads(
-            path, grads, policy_version=version, num_tokens=tokens, write=is_writer()
-        )
-    world = ctx.config.parallel.world_size
+        return artifacts.write_grads(path, grads, policy_version=version, num_tokens=tokens)
+    index, count = stage_ranks()
     mine = artifacts.write_grads(
-        artifacts.rank_path(path, ctx.rank, world), grads, policy_version=version, num_tokens=tokens
+        artifacts.rank_path(path, index, count), grads, policy_version=version, num_tokens=tokens
     )
-    parts: list = [None] * world
-    dist.all_gather_object(
-        parts, GradPart(uri=mine.uri, digest=mine.digest), group=active_group().control
+    parts: list = [None] * count
+    dist.all_gather_object(parts, GradPart(uri=mine.uri, digest=mine.digest), group=stage_control())
+    replica = active_group().scope()
+    return mine.model_copy(
+        update={"parts": tuple(parts), "replica": 0 if replica is None else replica.index}
     )
-    return mine.model_copy(update={"parts": tuple(parts)})
 
 
 @on_all_ranks
@@ -480,12 +496,14 @@ def reduce_gradients(
             f"{policy.policy_version}: recompute the step's backward"
         )
     ctx = held.policy(config, policy)
-    device = ctx.model.device
-    total = GradBuffer.from_tensors(
-        {n: t.clone() for n, t in artifacts.read_grads(grads[0], device, rank=ctx.rank).items()}
-    )
-    for other in grads[1:]:
-        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device, rank=ctx.rank)))
+    total = _replica_sum(ctx, grads)
+    if config.parallel.data_parallel > 1:
+        # The replicas' sums, added across them: each rank keeps its FSDP shard's rows.
+        from longstraw.distributed.replica_gradients import sum_over_replicas
+
+        total = GradBuffer.from_tensors(
+            sum_over_replicas(ctx.model, total.grads, config.parallel, active_group().data_group)
+        )
     for g in grads:
         artifacts.forget_grads(g)
     path = (
@@ -496,6 +514,27 @@ def reduce_gradients(
     return _store_grads(
         ctx, path, total.grads, policy.policy_version, sum(g.num_tokens for g in grads)
     )
+
+
+def _replica_sum(ctx, grads: list[GradRef]) -> GradBuffer:
+    """The sum of the groups' contributions this rank's replica computed (its rows of each);
+    zeros where the replica ran none (fewer groups in the step than replicas)."""
+    device, parallel = ctx.model.device, ctx.config.parallel
+    if ctx.weights is None:
+        mine, part = grads, None
+    else:
+        replica = ctx.rank // parallel.sequence_ranks
+        mine, part = [g for g in grads if g.replica == replica], ctx.rank % parallel.sequence_ranks
+    if not mine:
+        from longstraw.distributed.replica_gradients import zero_replica_rows
+
+        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, parallel, part, device))
+    total = GradBuffer.from_tensors(
+        {n: t.clone() for n, t in artifacts.read_grads(mine[0], device, rank=part).items()}
+    )
+    for other in mine[1:]:
+        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device, rank=part)))
+    return total
 
 
 @on_all_ranks

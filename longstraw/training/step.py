@@ -4,24 +4,39 @@
 functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.orchestration`). The
 composition — which prompts, which stage after which, the normalisers, the step counter, the
 checkpoint cadence, the metrics — exists only here.
+
+With `parallel.data_parallel: R` the step's groups are spread over the replicas (`replica_lanes`)
+and each replica's groups run in a driver thread of their own, its lane (`across_replicas`), so
+the replicas compute at once; the stages that span the groups (advantages, reduction, update,
+checkpoint) wait for every lane. A group stage that finished is recorded (`finished_groups`):
+a resumed run takes it as it was instead of computing it again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from longstraw.distributed.stage_group import on_replica, replicas_serving
 from longstraw.grpo.optim import UpdateStats
 from longstraw.schemas.refs import PolicyRef, UpdateResult
 from longstraw.schemas.results import GroupStats, StateTraffic, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.trackers.completions import write_completions
 from longstraw.training import evaluation as _evaluation
-from longstraw.training import progress
+from longstraw.training import finished_groups, progress
 from longstraw.training import stages as _stages
+
+
+def _no_labels(config: RunConfig, replica: int, index: int) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,11 @@ class Stages:
     """Progress callback (shards done, shards in the step)."""
     evaluate: Callable = _evaluation.evaluate
     """The held-out prompts' evaluation (`train.eval_steps`)."""
+    ready_to_compute: Callable = _stages.ready_to_compute
+    """Every rank holds the policy, gathered (before the replicas' lanes start)."""
+    for_group: Callable[[RunConfig, int, int], contextlib.AbstractContextManager] = _no_labels
+    """`for_group(config, replica, prompt_index)`: a block around a group's stage calls that
+    labels them (the Prefect tasks' names and tags)."""
 
 
 IN_PROCESS = Stages(
@@ -60,21 +80,119 @@ IN_PROCESS = Stages(
 )
 
 
-def _prefill(config: RunConfig, policy: PolicyRef, prompts, stages: Stages):
-    """Each prompt's state: shard by shard (one cacheable stage call each, on one process or on
-    the ranks together), then the commit."""
-    total = sum(p.num_shards for p in prompts)
-    done = 0
-    reports = []
-    for prompt in prompts:
-        for shard in range(prompt.num_shards):
-            stages.prefill_shard(config, policy, prompt, shard)
-            done += 1
-            progress.emit("prefill_shard", done=done, total=total)
-            if stages.on_prefill_shard is not None:
-                stages.on_prefill_shard(done, total)
-        reports.append(stages.prefill_prompt(config, policy, prompt))
-    return reports
+def replica_lanes(prompts, replicas: int) -> list[list[int]]:
+    """[R] the step's group positions each replica runs, in order: group i on replica i mod R,
+    except that a prompt the step holds twice stays on the replica that took it first (no two
+    replicas compute and commit one prompt state at once)."""
+    lanes: list[list[int]] = [[] for _ in range(replicas)]
+    home: dict[str, int] = {}
+    for g, prompt in enumerate(prompts):
+        lanes[home.setdefault(prompt.prompt_digest, g % replicas)].append(g)
+    return lanes
+
+
+def across_replicas(
+    config: RunConfig, policy: PolicyRef, prompts, stages: Stages, work: Callable[[int], object]
+) -> list:
+    """[groups] `work(g)` for each group position g: in order on one process or one replica;
+    with R replicas, each replica's groups in a lane of its own, the lanes at once. A lane that
+    fails stops the others at their next group; its error is raised once all have stopped."""
+    lanes = replica_lanes(prompts, config.parallel.data_parallel)
+    names = [(d, g) for d, lane in enumerate(lanes) for g in lane]
+    if config.parallel.data_parallel == 1:
+        return [_labelled(config, stages, d, prompts[g], work, g) for d, g in names]
+    results: list = [None] * len(prompts)
+    failed = threading.Event()
+
+    def run_lane(d: int) -> None:
+        with on_replica(d):
+            for g in lanes[d]:
+                if failed.is_set():
+                    return
+                try:
+                    results[g] = _labelled(config, stages, d, prompts[g], work, g)
+                except BaseException:
+                    failed.set()
+                    raise
+
+    stages.ready_to_compute(config, policy)
+    with replicas_serving(), ThreadPoolExecutor(len(lanes)) as pool:
+        # Each lane in a copy of this context: Prefect's flow run (and its tags) goes with it.
+        futures = [
+            pool.submit(contextvars.copy_context().run, run_lane, d) for d in range(len(lanes))
+        ]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+def on_first_replica(config: RunConfig, policy: PolicyRef, stages: Stages, call: Callable):
+    """`call()`'s stages on replica 0's ranks (a stage outside the step's groups, such as the
+    evaluation: its prompt states are sharded as the groups' are); as they are with one."""
+    if config.parallel.data_parallel == 1:
+        return call()
+    stages.ready_to_compute(config, policy)
+    with replicas_serving(), on_replica(0):
+        return call()
+
+
+def _labelled(config, stages: Stages, replica: int, prompt, work, g):
+    with stages.for_group(config, replica, prompt.index):
+        return work(g)
+
+
+class _ShardCount:
+    """Prefill shards done out of a step's total, told to progress as lanes finish them."""
+
+    def __init__(self, prompts, stages: Stages):
+        self.total = sum(p.num_shards for p in prompts)
+        self.done = 0
+        self.lock = threading.Lock()
+        self.stages = stages
+
+    def add_one(self) -> None:
+        with self.lock:
+            self.done += 1
+            progress.emit("prefill_shard", done=self.done, total=self.total)
+            if self.stages.on_prefill_shard is not None:
+                self.stages.on_prefill_shard(self.done, self.total)
+
+
+def _prefill(config: RunConfig, policy: PolicyRef, prompt, stages: Stages, count: _ShardCount):
+    """(report, seconds) of a prompt's state: shard by shard (one cacheable stage call each, on
+    one process or on the ranks of its replica), then the commit."""
+    started = time.perf_counter()
+    for shard in range(prompt.num_shards):
+        stages.prefill_shard(config, policy, prompt, shard)
+        count.add_one()
+    report = stages.prefill_prompt(config, policy, prompt)
+    return report, time.perf_counter() - started
+
+
+def _prefilled_rollout(config: RunConfig, policy: PolicyRef, prompt, stages: Stages, count):
+    """(prefill report, its seconds, rollout) of one group."""
+    report, seconds = _prefill(config, policy, prompt, stages, count)
+    rollout = finished_groups.rollout(
+        config, policy, prompt, lambda: stages.rollout_group(config, policy, prompt)
+    )
+    return report, seconds, rollout
+
+
+def _scores(config: RunConfig, policy: PolicyRef, rollout, stages: Stages):
+    """(reference, old) scores of one group: None where beta = 0 / num_iterations = 1."""
+
+    def score(which: str):
+        return finished_groups.scores(
+            config, policy, rollout, which,
+            lambda: stages.score_group(config, policy, rollout, which),
+        )  # fmt: skip
+
+    ref = score("reference") if config.grpo.beta > 0 else None
+    # More than one update per rollout needs the rollout policy's log-probs (no-grad replay).
+    old = score("old") if config.grpo.num_iterations > 1 else None
+    return ref, old
 
 
 def run_step(
@@ -88,23 +206,24 @@ def run_step(
         seconds[stage] = seconds.get(stage, 0.0) + value
 
     prompts = stages.plan_step(config, policy)
-    started = time.perf_counter()
-    reports = _prefill(config, policy, prompts, stages)
-    add("prefill", time.perf_counter() - started)
-    rollouts = [stages.rollout_group(config, policy, p) for p in prompts]
+    count = _ShardCount(prompts, stages)
+    done = across_replicas(
+        config, policy, prompts, stages,
+        lambda g: _prefilled_rollout(config, policy, prompts[g], stages, count),
+    )  # fmt: skip
+    reports = [report for report, _, _ in done]
+    rollouts = [rollout for _, _, rollout in done]
+    # Seconds are summed over the groups, as every stage's are (replicas overlap them).
+    add("prefill", sum(seconds for _, seconds, _ in done))
     for rollout in rollouts:
         for stage, value in rollout.seconds.items():
             add(stage, value)
     plan = stages.compute_advantages(config, rollouts)
-    refs = [
-        stages.score_group(config, policy, r, "reference") if config.grpo.beta > 0 else None
-        for r in rollouts
-    ]
-    # More than one update per rollout needs the rollout policy's log-probs (no-grad replay).
-    olds = [
-        stages.score_group(config, policy, r, "old") if config.grpo.num_iterations > 1 else None
-        for r in rollouts
-    ]
+    scores = across_replicas(
+        config, policy, prompts, stages, lambda g: _scores(config, policy, rollouts[g], stages)
+    )
+    refs = [ref for ref, _ in scores]
+    olds = [old for _, old in scores]
     add("reference", sum(s.seconds for s in refs if s is not None))
     add("score_old", sum(s.seconds for s in olds if s is not None))
 
@@ -117,13 +236,26 @@ def run_step(
     for iteration in range(config.grpo.num_iterations):
         if iteration > 0:
             # The weights changed: the prompt states of the new version.
-            started = time.perf_counter()
-            reports += _prefill(config, current, stages.plan_step(config, current), stages)
-            add("prefill", time.perf_counter() - started)
-        results = [
-            stages.backward_group(config, current, rollout, plan, g, refs[g], olds[g], iteration)
-            for g, rollout in enumerate(rollouts)
-        ]
+            again = stages.plan_step(config, current)
+            count = _ShardCount(again, stages)
+            prefilled = across_replicas(
+                config, current, again, stages,
+                lambda g, at=current, again=again, count=count: _prefill(
+                    config, at, again[g], stages, count
+                ),
+            )  # fmt: skip
+            reports += [report for report, _ in prefilled]
+            add("prefill", sum(seconds for _, seconds in prefilled))
+
+        def backward(g: int, at=current, iteration=iteration):
+            return finished_groups.backward(
+                config, at, rollouts[g], plan, refs[g], olds[g], iteration,
+                lambda: stages.backward_group(
+                    config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
+                ),
+            )  # fmt: skip
+
+        results = across_replicas(config, current, prompts, stages, backward)
         group_stats = [r.stats for r in results]
         traffic += [s.state_traffic for s in group_stats]
         for stats in group_stats:
@@ -160,7 +292,9 @@ def run_step(
         # The weights this step made, before its checkpoint: the row the checkpoint carries
         # holds the evaluation too, so a resume never evaluates a recorded step again.
         started = time.perf_counter()
-        evaluated = stages.evaluate(config, current)
+        evaluated = on_first_replica(
+            config, current, stages, lambda: stages.evaluate(config, current)
+        )
         add("eval", time.perf_counter() - started)
         metrics = metrics.model_copy(update={"eval": evaluated, "seconds": dict(seconds)})
     if _stages.is_checkpoint_step(config, current.step):
