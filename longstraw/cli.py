@@ -70,7 +70,11 @@ def train_command(
     ] = None,
     world_size: Annotated[
         int | None,
-        typer.Option(help="Override parallel.world_size (ranks sharing each prompt's state)."),
+        typer.Option(help="Override parallel.world_size (all ranks: replicas × sequence ranks)."),
+    ] = None,
+    data_parallel: Annotated[
+        int | None,
+        typer.Option(help="Override parallel.data_parallel (replicas that split a step's groups)."),
     ] = None,
     # An explicit name: a plain boolean option would also get a negation, `--no-no-prefect`.
     no_prefect: Annotated[
@@ -100,6 +104,7 @@ def train_command(
             run_id=run_id,
             root=root,
             world_size=world_size,
+            data_parallel=data_parallel,
             use_prefect=not no_prefect,
             debug=debug,
         )

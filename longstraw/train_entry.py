@@ -66,6 +66,7 @@ def resolve_config(
     root: str | None,
     resume: bool,
     world_size: int | None = None,
+    data_parallel: int | None = None,
 ) -> RunConfig:
     identity = {} if run_id is None else {"run_id": run_id}
     config = (
@@ -81,6 +82,7 @@ def resolve_config(
             ("train", "num_steps", steps),
             ("storage", "root_uri", root),
             ("parallel", "world_size", world_size),
+            ("parallel", "data_parallel", data_parallel),
         )
         if value is not None
     }
@@ -253,6 +255,7 @@ def run_training(
     run_id: str | None,
     root: str | None,
     world_size: int | None = None,
+    data_parallel: int | None = None,
     use_prefect: bool = True,
     debug: bool = False,
 ) -> list:
@@ -265,7 +268,13 @@ def run_training(
 
     hf_logging.disable_progress_bar()
     config = resolve_config(
-        config_path, steps=steps, run_id=run_id, root=root, resume=resume, world_size=world_size
+        config_path,
+        steps=steps,
+        run_id=run_id,
+        root=root,
+        resume=resume,
+        world_size=world_size,
+        data_parallel=data_parallel,
     )
     from longstraw.training.run_lease import run_lease
     from longstraw.training.run_start import preflight

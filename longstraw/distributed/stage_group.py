@@ -49,6 +49,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ _LEAVE = "__leave__"
 _FAULT_KEY = "longstraw/stage-fault"
 """Store key of a serving rank's UserError: (rank, stage, traceback, pickled error)."""
 _PR_SET_PDEATHSIG = 1
+_EXIT_GRACE_S = 5.0
+"""How long a failed collective waits for a spawned rank's exit to show before it is raised as
+it came."""
 
 
 @dataclass(frozen=True)
@@ -92,17 +96,6 @@ class Replica:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    def describe(self) -> str:
-        return replica_name(self.index, self.size)
-
-
-def replica_name(index: int, size: int) -> str:
-    """ "replica 1 (ranks 2-3)": how names and errors say where a group ran (replica `index` of
-    `size` sequence ranks)."""
-    first, last = index * size, (index + 1) * size - 1
-    where = f"rank {first}" if first == last else f"ranks {first}-{last}"
-    return f"replica {index} ({where})"
 
 
 def replica_groups(world_size: int, data_parallel: int, backend: str, timeout) -> list[Replica]:
@@ -214,7 +207,7 @@ class StageGroup:
             if reported is not None:
                 self.broken = True
                 raise reported from reported.__cause__
-            dead = self.dead_rank()
+            dead = self.dead_rank(wait_s=_EXIT_GRACE_S)
             if dead is not None:
                 rank, code = dead
                 raise RankFailedError(
@@ -335,12 +328,18 @@ class StageGroup:
         for replica in self.replicas:
             dist.broadcast_object_list([(_LEAVE, (), {})], group=replica.channel, group_src=0)
 
-    def dead_rank(self) -> tuple[int, int] | None:
-        """(rank, exit code) of a spawned rank that has exited, if any."""
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.exitcode is not None:
-                return rank, proc.exitcode
-        return None
+    def dead_rank(self, wait_s: float = 0.0) -> tuple[int, int] | None:
+        """(rank, exit code) of a spawned rank that has exited, if any; waiting up to `wait_s`
+        for one to show (a killed rank's sockets close before its exit can be reaped, so the
+        collective that fails with it may be told first)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    return rank, proc.exitcode
+            if time.monotonic() >= deadline or not self.procs:
+                return None
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Release the serving ranks and the process group (driver)."""
@@ -420,9 +419,16 @@ def replicas_serving() -> Iterator[None]:
         yield
         return
     group.enter_replicas()
-    yield
-    if not group.broken:
-        group.leave_replicas()
+    try:
+        yield
+    except BaseException:
+        # A stage that failed on live ranks left them in step: they go back to the world's
+        # channel. A dead rank or a broken group has no step to keep (`stop` ends it).
+        if not group.broken and group.dead_rank() is None:
+            with contextlib.suppress(Exception):
+                group.leave_replicas()
+        raise
+    group.leave_replicas()
 
 
 @contextlib.contextmanager

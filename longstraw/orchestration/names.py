@@ -8,6 +8,7 @@ bound parameters (Prefect passes them as `parameters`); nothing here imports tor
 
 from __future__ import annotations
 
+import contextvars
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,12 +19,31 @@ DIGEST_CHARS = 12
 Parameters = dict[str, Any]
 
 
+WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("longstraw_where", default=None)
+"""Where the group stages called in this context run ("replica 1 (ranks 2-3)"), set around a
+data-parallel replica's group (`group_labels`); None: on every rank."""
+
+
 def _named(build: Callable[[Parameters], str]) -> Callable[..., str]:
     # Prefect calls a task_run_name callable with `parameters=` when its signature has that name.
     def task_run_name(parameters: Parameters) -> str:
-        return build(parameters)
+        where = WHERE.get()
+        return build(parameters) if where is None else f"{build(parameters)} on {where}"
 
     return task_run_name
+
+
+def ranks_of(replica: int, sequence_ranks: int) -> str:
+    """ "ranks 2-3" (or "rank 2"): the global ranks of a replica of `sequence_ranks`."""
+    first, last = replica * sequence_ranks, (replica + 1) * sequence_ranks - 1
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def group_tags(replica: int, sequence_ranks: int, prompt_index: int) -> tuple[str, ...]:
+    """Tags of a group's tasks: the group (its prompt's run-wide index), the replica that ran it
+    and that replica's ranks — filter the UI by `replica:1` to see what one replica did."""
+    ranks = ranks_of(replica, sequence_ranks).split()[-1]
+    return (f"group:{prompt_index}", f"replica:{replica}", f"ranks:{ranks}")
 
 
 def _prefill_shard(p: Parameters) -> str:

@@ -9,18 +9,23 @@ name from storage.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import prefect
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
 from longstraw.orchestration.names import (
     TASK_RUN_NAMES,
+    WHERE,
     backward_line,
+    group_tags,
+    ranks_of,
     rollout_line,
     task_tags,
 )
@@ -127,6 +132,22 @@ record_step = _task("record_step")(stages.record_step)
 evaluate = _task("evaluate", **_RETRY)(evaluation.evaluate)
 
 
+@contextlib.contextmanager
+def group_labels(config, replica: int, prompt_index: int) -> Iterator[None]:
+    """A group's tasks named and tagged with their group, replica and ranks (the replica only
+    in the names of a run with several: one replica is every rank)."""
+    size = config.parallel.sequence_ranks
+    token = None
+    if config.parallel.data_parallel > 1:
+        token = WHERE.set(f"replica {replica} ({ranks_of(replica, size)})")
+    try:
+        with prefect.tags(*group_tags(replica, size, prompt_index)):
+            yield
+    finally:
+        if token is not None:
+            WHERE.reset(token)
+
+
 def prefect_stages(on_prefill_shard=None) -> Stages:
     """The step's stages as these tasks (`longstraw.training.step.run_step` composes them)."""
     return Stages(
@@ -143,4 +164,5 @@ def prefect_stages(on_prefill_shard=None) -> Stages:
         record_step=record_step,
         on_prefill_shard=on_prefill_shard,
         evaluate=evaluate,
+        for_group=group_labels,
     )

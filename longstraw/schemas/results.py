@@ -137,6 +137,12 @@ class StepMetrics(BaseModel):
     """Agent trajectories the environment ended with an error or a time-out."""
     seconds: dict[str, float] = Field(default_factory=dict)
     """Wall-clock seconds per stage: prefill, rollout, reward, reference, replay, sweep, update, checkpoint."""
+    replica_sum_bytes: int = 0
+    """Bytes a rank handed to the data-parallel replicas' gradient sum in this step (its slice
+    of the gradient, once per update; 0 with one replica)."""
+    step_seconds: float | None = None
+    """Wall-clock seconds of the whole step, from planning to its record. With data-parallel
+    replicas the groups' stages overlap, so this is less than the sum of `seconds`."""
     peak_rss_bytes: int = 0
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""

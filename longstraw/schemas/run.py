@@ -213,8 +213,10 @@ class ParallelConfig(_Section):
     itself on this machine; under torchrun (several nodes) it must equal WORLD_SIZE."""
     data_parallel: int = Field(default=1, ge=1)
     """R: replicas of the sequence-sharded engine; a step's groups are spread over them (group i
-    of the step on replica i mod R) and run at once, and their gradients are summed across the
-    replicas once per step. `world_size` must be a multiple of it."""
+    of the step on replica i mod R; a prompt the step holds twice stays on one replica) and run
+    at once, and their gradients are summed across the replicas once per update. Replica d is
+    ranks d·S … d·S + S − 1 (S = world_size / R): under torchrun, one replica per node keeps a
+    prompt's traffic on the node. `world_size` must be a multiple of it."""
     backend: Literal["gloo", "nccl"] = "gloo"
     """torch.distributed backend of the tensors' traffic: gloo on CPU, nccl on GPUs (control
     messages between the ranks always go over gloo)."""

@@ -86,16 +86,16 @@ def finished(
 
 
 def rollout(config, policy, prompt, run) -> RolloutRef:
-    return finished(config, policy, f"rollout-g{prompt.index}", [prompt], RolloutRef, run)
+    return finished(config, policy, f"g{prompt.index}-rollout", [prompt], RolloutRef, run)
 
 
 def scores(config, policy, rollout_ref, which: str, run) -> ScoresRef | None:
     index = rollout_ref.prompt.index
     inputs = [rollout_ref, which]
-    return finished(config, policy, f"scores-g{index}-{which}", inputs, ScoresRef, run)
+    return finished(config, policy, f"g{index}-scores-{which}", inputs, ScoresRef, run)
 
 
 def backward(config, policy, rollout_ref, plan, ref_scores, old_scores, iteration, run):
     index = rollout_ref.prompt.index
     inputs = [rollout_ref, plan, ref_scores, old_scores, iteration]
-    return finished(config, policy, f"backward-g{index}-i{iteration}", inputs, BackwardResult, run)
+    return finished(config, policy, f"g{index}-i{iteration}-backward", inputs, BackwardResult, run)

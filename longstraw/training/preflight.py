@@ -176,18 +176,26 @@ def check_environment(config: RunConfig) -> None:
 def check_world_size(config: RunConfig) -> None:
     from longstraw.engine.state import shard_bounds
 
-    if config.parallel.world_size == 1:
+    parallel = config.parallel
+    if parallel.sequence_ranks == 1:
         return
     for section, data in data_sections(config):
         if data.type != "haystack":
             continue  # a JSONL prompt's length is known only once it is tokenized
         tokens = data.task.num_prompt_tokens
         shards = len(shard_bounds(tokens - 1, config.engine.shard_tokens))
-        if config.parallel.world_size > shards:
+        if parallel.sequence_ranks > shards:
+            each = (
+                ""
+                if parallel.data_parallel == 1
+                else f" ({parallel.data_parallel} replicas of {parallel.sequence_ranks})"
+            )
             raise UserError(
-                f"parallel.world_size {config.parallel.world_size} is more than the {shards} "
-                f"prefill shards of a {tokens}-token prompt of {section} (engine.shard_tokens "
+                f"parallel.world_size {parallel.world_size}{each} shards each prompt over "
+                f"{parallel.sequence_ranks} ranks, more than the {shards} prefill shards of a "
+                f"{tokens}-token prompt of {section} (engine.shard_tokens "
                 f"{config.engine.shard_tokens}) — lower parallel.world_size or engine.shard_tokens"
+                + ("" if parallel.data_parallel == 1 else ", or raise parallel.data_parallel")
             )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.distributed import replica_gradients
 from longstraw.distributed.stage_group import on_replica, replicas_serving
 from longstraw.grpo.optim import UpdateStats
 from longstraw.schemas.refs import PolicyRef, UpdateResult
@@ -116,15 +117,16 @@ def across_replicas(
                     raise
 
     stages.ready_to_compute(config, policy)
-    with replicas_serving(), ThreadPoolExecutor(len(lanes)) as pool:
-        # Each lane in a copy of this context: Prefect's flow run (and its tags) goes with it.
-        futures = [
-            pool.submit(contextvars.copy_context().run, run_lane, d) for d in range(len(lanes))
-        ]
-        errors = [f.exception() for f in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    with replicas_serving():
+        with ThreadPoolExecutor(len(lanes)) as pool:
+            # Each lane in a copy of this context: Prefect's flow run (and its tags) go with it.
+            futures = [
+                pool.submit(contextvars.copy_context().run, run_lane, d) for d in range(len(lanes))
+            ]
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
     return results
 
 
@@ -205,6 +207,7 @@ def run_step(
     def add(stage: str, value: float) -> None:
         seconds[stage] = seconds.get(stage, 0.0) + value
 
+    step_started, summed = time.perf_counter(), replica_gradients.TRAFFIC["bytes"]
     prompts = stages.plan_step(config, policy)
     count = _ShardCount(prompts, stages)
     done = across_replicas(
@@ -304,6 +307,13 @@ def run_step(
         current = stages.write_checkpoint(config, current, metrics)
         add("checkpoint", time.perf_counter() - started)
         metrics = metrics.model_copy(update={"seconds": dict(seconds)})
+    metrics = metrics.model_copy(
+        update={
+            "step_seconds": time.perf_counter() - step_started,
+            # Counted on the driver; every rank sends as much.
+            "replica_sum_bytes": replica_gradients.TRAFFIC["bytes"] - summed,
+        }
+    )
     metrics = stages.record_step(config, metrics)
     progress.emit("step", step=metrics.step)
     return current, metrics

@@ -15,6 +15,7 @@ from longstraw.storage.config_files import read_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen35-27b-1m-8gpu.yaml"
+TWO_NODES = ROOT / "examples" / "qwen35-27b-1m-2x8gpu.yaml"
 GIB = 2**30
 # Qwen3.5-27B's text model as docs/design.md describes it: 64 layers of hidden 5120, every
 # fourth one full attention (24 query / 4 kv heads × 256), 48 Gated DeltaNet layers.
@@ -56,33 +57,61 @@ def test_gpu_deployment_runs_the_example_config_and_overrides_change_only_what_t
     assert deeper.engine.shard_tokens == base.engine.shard_tokens == 8192
 
 
-def test_qwen35_27b_example_instantiates_on_meta_and_its_state_fits_the_projection():
+def _qwen35_27b_on_meta():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = read_run_config(str(EXAMPLE))
-    assert (config.model.dtype, config.engine.prompt_grad) == ("bfloat16", "exact")
-    assert (config.parallel.world_size, config.parallel.backend) == (8, "nccl")
     model_config = AutoConfig.for_model("qwen3_5_text", **QWEN35_27B)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
+
+
+def _gib_per_rank(config, model) -> tuple[float, float]:
+    """(K/V, everything before activations) per rank of `config`'s run, for a 1M-token prompt:
+    the prompt state over the sequence ranks, the policy at rest over all ranks."""
     params = sum(p.numel() for p in model.parameters())
     assert 26e9 < params < 28e9, params
-    spec = state_spec(model)
-    kv = spec.full_attention
+    kv = state_spec(model).full_attention
     # K and V of every full-attention layer, bf16.
     per_token = len(kv.layer_indices) * kv.num_kv_heads * (kv.head_dim + kv.value_head_dim) * 2
     assert per_token == 64 * 1024
     tokens = 2**20
-    ranks = config.parallel.world_size
-    kv_rank = tokens * per_token / ranks
+    sequence, ranks = config.parallel.sequence_ranks, config.parallel.world_size
+    kv_rank = tokens * per_token / sequence
     dS_rank = 2 * kv_rank  # fp32 cotangent in exact mode
     weights_rank = params * 2 / ranks  # bf16, sharded at rest
-    optimizer_rank = params * 16 / ranks  # fp32 gradient + master + Adam moments
-    total = (kv_rank + dS_rank + weights_rank + optimizer_rank) / GIB
-    assert kv_rank / GIB == pytest.approx(8.0)
-    assert total < 131, f"{total:.1f} GiB per rank does not fit a 141 GB H200"
+    optimizer_rank = params * 12 / ranks  # fp32 master + Adam moments
+    gradient_rank = params * 4 / sequence  # fp32 rows of the replica's gradient
     num_shards = -(-(tokens - 1) // config.engine.shard_tokens)
-    assert num_shards % ranks == 0  # every rank owns the same number of shards
+    assert num_shards % sequence == 0  # every rank owns the same number of shards
+    total = kv_rank + dS_rank + weights_rank + optimizer_rank + gradient_rank
+    return kv_rank / GIB, total / GIB
+
+
+def test_qwen35_27b_example_instantiates_on_meta_and_its_state_fits_the_projection():
+    config = read_run_config(str(EXAMPLE))
+    assert (config.model.dtype, config.engine.prompt_grad) == ("bfloat16", "exact")
+    assert (config.parallel.world_size, config.parallel.backend) == (8, "nccl")
+    kv, total = _gib_per_rank(config, _qwen35_27b_on_meta())
+    assert kv == pytest.approx(8.0)
+    assert total < 131, f"{total:.1f} GiB per rank does not fit a 141 GB H200"
+
+
+def test_two_node_example_is_two_replicas_of_eight_sequence_ranks_and_fits_per_rank():
+    """16 GPUs: the prompt sharded 8 ways within each node's replica, as on one node; the policy
+    at rest over all 16 ranks, so a rank holds less than on one node."""
+    config = read_run_config(str(TWO_NODES))
+    one_node = read_run_config(str(EXAMPLE))
+    parallel = config.parallel
+    assert (parallel.world_size, parallel.data_parallel, parallel.sequence_ranks) == (16, 2, 8)
+    assert parallel.backend == "nccl"
+    # Both replicas busy every step, each with the same number of groups.
+    assert config.train.groups_per_step % parallel.data_parallel == 0
+    assert config.model == one_node.model and config.engine == one_node.engine
+    model = _qwen35_27b_on_meta()
+    kv, total = _gib_per_rank(config, model)
+    kv_one, total_one = _gib_per_rank(one_node, model)
+    assert kv == pytest.approx(kv_one) == pytest.approx(8.0)
+    assert total < total_one < 131, (total, total_one)
 
 
 def test_torchrun_manifest_forms_the_world_its_command_names():
@@ -105,4 +134,9 @@ def test_torchrun_manifest_forms_the_world_its_command_names():
     assert int(command[command.index("--world-size") + 1]) == nodes * per_node
     assert container["resources"]["limits"]["nvidia.com/gpu"] == per_node
     config_file = command[command.index("--config") + 1].replace("/opt/longstraw", str(ROOT))
-    assert read_run_config(config_file).model.checkpoint.startswith("/models/")
+    config = read_run_config(config_file)
+    assert config.model.checkpoint.startswith("/models/")
+    # The config's replicas × sequence ranks are the world torchrun forms: one replica a node.
+    assert config.parallel.world_size == nodes * per_node
+    assert config.parallel.data_parallel == nodes
+    assert config.parallel.sequence_ranks == per_node
