@@ -1,9 +1,11 @@
 """A training policy sharded at rest over the run's ranks (FSDP2), gathered while it computes.
 
-With `parallel.world_size: N` every rank of the sequence group holds, between steps, 1/N of
-each parameter (dim-0 rows, `torch.chunk` layout: `fully_shard` over the flattened
-("data", "seq") mesh with one data replica), the matching fp32 AdamW moments and masters, and
-accumulates only those rows of each group's gradient (`sharded_group_gradient_slices`). So the
+With `parallel.world_size: N` every rank of the run holds, between steps, 1/N of each
+parameter (dim-0 rows, `torch.chunk` layout: `fully_shard` over the flattened ("data", "seq")
+mesh, global rank g holding chunk g whatever the number of data-parallel replicas), the matching
+fp32 AdamW moments and masters; it accumulates its replica's rows of each group's gradient
+(`sharded_group_gradient_slices`), which `replica_gradients.sum_over_replicas` turns into
+exactly its chunk when there are several replicas. So the
 optimizer state and gradient accumulators — 16 bytes per parameter in fp32 AdamW, against 2
 for the bf16 weights — are divided by N, which is what lets a 27B policy train on 8 devices.
 
@@ -35,8 +37,8 @@ _meshes: dict[tuple[str, int], DeviceMesh] = {}
 
 
 def training_mesh(device_type: str) -> DeviceMesh:
-    """The ("data", "seq") mesh of this process's ranks (one data replica, all ranks in the
-    sequence group); created once per process (creating it is collective)."""
+    """The mesh FSDP shards the policy over: every rank of the run, flattened (global rank g
+    holds chunk g); created once per process (creating it is collective)."""
     key = (device_type, dist.get_world_size())
     if key not in _meshes:
         _meshes[key] = data_seq_mesh(1, dist.get_world_size(), device_type)
