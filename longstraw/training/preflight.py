@@ -185,17 +185,17 @@ def check_world_size(config: RunConfig) -> None:
         tokens = data.task.num_prompt_tokens
         shards = len(shard_bounds(tokens - 1, config.engine.shard_tokens))
         if parallel.sequence_ranks > shards:
-            each = (
-                ""
-                if parallel.data_parallel == 1
-                else f" ({parallel.data_parallel} replicas of {parallel.sequence_ranks})"
-            )
+            ranks, fixes = f"parallel.world_size {parallel.world_size}", "parallel.world_size"
+            if parallel.data_parallel > 1:
+                ranks = (
+                    f"{ranks} / parallel.data_parallel {parallel.data_parallel} = "
+                    f"{parallel.sequence_ranks} sequence ranks"
+                )
+                fixes = "parallel.world_size (or raise parallel.data_parallel)"
             raise UserError(
-                f"parallel.world_size {parallel.world_size}{each} shards each prompt over "
-                f"{parallel.sequence_ranks} ranks, more than the {shards} prefill shards of a "
-                f"{tokens}-token prompt of {section} (engine.shard_tokens "
-                f"{config.engine.shard_tokens}) — lower parallel.world_size or engine.shard_tokens"
-                + ("" if parallel.data_parallel == 1 else ", or raise parallel.data_parallel")
+                f"{ranks} is more than the {shards} prefill shards of a {tokens}-token prompt "
+                f"of {section} (engine.shard_tokens {config.engine.shard_tokens}) — lower "
+                f"{fixes} or engine.shard_tokens"
             )
 
 

@@ -11,7 +11,7 @@ from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 
 # Fields of StepMetrics that depend on the machine, not on the algorithm.
-MACHINE_FIELDS = {"seconds", "peak_rss_bytes"}
+MACHINE_FIELDS = {"seconds", "step_seconds", "peak_rss_bytes"}
 
 
 def run_config(

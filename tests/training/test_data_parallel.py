@@ -1,11 +1,12 @@
 """`parallel.data_parallel: 2`: a step's groups spread over two replicas of the sequence-sharded
 engine (one rank each, then two ranks each) train what one process trains on the same groups and
-seeds, for `loss_type` grpo and dapo with a KL term and two updates per rollout; a replica killed
+seeds — four groups (two each), three (two and one) and one (the other replica idle) —, for
+`loss_type` grpo and dapo with a KL term and two updates per rollout; a replica killed
 mid-step leaves a run that `--resume` finishes with the same checkpoint, recomputing neither the
 committed prompt states nor the groups that had finished.
 
 Legend: the tiny qwen3_5 hybrid, a 64-token prompt (63 state tokens in 3 shards of 23), exact
-prompt gradient, G = 3, four groups per step (group i on replica i mod 2).
+prompt gradient, G = 3, group i of a step on replica i mod 2.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = 4
-LOSS_TYPES = ("grpo", "dapo")
+CASES = {"grpo": ("grpo", GROUPS), "dapo-uneven": ("dapo", 3), "one-group": ("dapo", 1)}
+"""Run id -> (loss type, groups per step): the step's groups split evenly over two replicas,
+unevenly (2 + 1), and onto one replica while the other has none."""
 
 
-def _config(root: Path, checkpoint: Path, loss_type: str, run_id: str | None = None):
+def _config(root: Path, checkpoint: Path, case: str, run_id: str | None = None):
+    loss_type, groups = CASES[case]
     return run_config(
         root,
         checkpoint,
-        run_id=run_id or loss_type,
+        run_id=run_id or case,
         num_steps=1,
         grpo={
             "num_generations": 3,
@@ -51,7 +55,7 @@ def _config(root: Path, checkpoint: Path, loss_type: str, run_id: str | None = N
             "loss_type": loss_type,
             "adam_epsilon": ADAM_EPSILON,
         },
-        train={"groups_per_step": GROUPS},
+        train={"groups_per_step": groups},
         data={"rewards": ["tests.training.helpers:checksum_reward"]},
         persist_mode="synchronous",
     )
@@ -70,13 +74,13 @@ def _with_replicas(config, sequence_ranks: int, replicas: int = 2):
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory, checkpoint_dir):
-    """loss type -> (config, final checkpoint, metrics): the runs in one process."""
+    """case -> (config, final checkpoint, metrics): the runs in one process."""
     out = {}
-    for loss_type in LOSS_TYPES:
-        config = _config(tmp_path_factory.mktemp("one"), checkpoint_dir("qwen3_5"), loss_type)
+    for case in CASES:
+        config = _config(tmp_path_factory.mktemp("one"), checkpoint_dir("qwen3_5"), case)
         history = train(config).history
         assert history[0].grad_norm > 0, "nothing trained: no signal to compare"
-        out[loss_type] = (config, latest_checkpoint(config.storage, config.run_id), history)
+        out[case] = (config, latest_checkpoint(config.storage, config.run_id), history)
     return out
 
 
@@ -106,12 +110,12 @@ def _replica_of_each_group(config) -> dict[int, int]:
 def test_two_replicas_train_what_one_process_trains(
     sequence_ranks, tmp_path, checkpoint_dir, single_process
 ):
-    """Both loss types on one rank group (its processes started once): the final weights per
-    tensor within 1e-5 of the single process's, the step's metrics equal, and the groups spread
-    over the replicas as documented."""
+    """Every case on one rank group (its processes started once): the final weights per tensor
+    within 1e-5 of the single process's, the step's metrics equal, and the groups spread over
+    the replicas as documented."""
     configs = [
-        _with_replicas(_config(tmp_path / loss, checkpoint_dir("qwen3_5"), loss), sequence_ranks)
-        for loss in LOSS_TYPES
+        _with_replicas(_config(tmp_path / case, checkpoint_dir("qwen3_5"), case), sequence_ranks)
+        for case in CASES
     ]
     start_stage_group(configs[0].parallel)
     try:
@@ -119,14 +123,15 @@ def test_two_replicas_train_what_one_process_trains(
     finally:
         stop_stage_group()
     for config, history in zip(configs, histories, strict=True):
-        _, reference_checkpoint, reference = single_process[config.grpo.loss_type]
+        _, reference_checkpoint, reference = single_process[config.run_id]
         _assert_same_checkpoint(
             latest_checkpoint(config.storage, config.run_id),
             reference_checkpoint,
             checkpoint_dir("qwen3_5"),
         )
         _assert_same_metrics(history, reference)
-        assert _replica_of_each_group(config) == {g: g % 2 for g in range(GROUPS)}
+        groups = config.train.groups_per_step
+        assert _replica_of_each_group(config) == {g: g % 2 for g in range(groups)}
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

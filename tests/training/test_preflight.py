@@ -163,6 +163,17 @@ def test_more_ranks_than_prefill_shards_is_refused(tmp_path):
     # The default 64-token prompt in 23-token shards: 3 shards.
     preflight(_config(tmp_path, parallel={"world_size": 3}), False)
     _fails(_config(tmp_path, parallel={"world_size": 4}), "world_size 4 is more than the 3")
+    # Replicas: each prompt is sharded over world_size / data_parallel ranks.
+    preflight(_config(tmp_path, parallel={"world_size": 6, "data_parallel": 2}), False)
+    _fails(
+        _config(tmp_path, parallel={"world_size": 8, "data_parallel": 2}),
+        "data_parallel 2 = 4 sequence ranks is more than the 3 .* raise parallel.data_parallel",
+    )
+
+
+def test_world_size_must_be_a_multiple_of_the_replicas(tmp_path):
+    with pytest.raises(ValueError, match="world_size 3 is not a multiple of data_parallel 2"):
+        _config(tmp_path, parallel={"world_size": 3, "data_parallel": 2})
 
 
 def test_jsonl_data_path_must_exist(tmp_path):
