@@ -18,9 +18,9 @@ reduce-scatter cannot express. So one group step is:
    sharded parameter's `.grad` (a DTensor with the parameter's placements); then FSDP reshards
    the parameters. The optimizer steps on the sharded parameters, so its state is sharded too.
 
-The data-parallel reduction is an all_reduce of the dense fp32 gradient followed by taking the
-local slice (gloo has no reduce_scatter for uneven CPU tensors); on NCCL a reduce_scatter halves
-that traffic. See docs/scaling.md for what was measured.
+The data-parallel reduction here is an all_reduce of the dense fp32 gradient followed by taking
+the local slice: the reference. Training sums data replicas with a reduce-scatter of the slices
+(`replica_gradients.sum_over_replicas`). See docs/scaling.md for what was measured.
 
 Sequence-sharded accumulators (no dense fp32 gradient on any rank during the step):
 `shard_model_over_data_and_seq` shards parameters, gradients and optimizer state over the

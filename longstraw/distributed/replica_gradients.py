@@ -58,7 +58,7 @@ def sum_over_replicas(
         dim0, rest = shapes[name][0], tuple(shapes[name][1:])
         chunk = -(-dim0 // (replicas * size))
         pieces = layout.pieces(dim0)
-        # Each replica's piece padded to one chunk: reduce_scatter_tensor splits evenly.
+        # Each replica's piece padded to one chunk: the reduce-scatter splits evenly.
         padded = part.new_zeros((replicas * chunk, *rest))
         offset = 0
         for d, (start, end) in enumerate(pieces):
@@ -67,7 +67,7 @@ def sum_over_replicas(
             offset += rows
         assert offset == part.shape[0], (name, offset, part.shape)
         mine = part.new_empty((chunk, *rest))
-        dist.reduce_scatter_tensor(mine, padded, group=data_group)
+        dist.reduce_scatter_single(mine, padded, group=data_group)
         TRAFFIC["bytes"] += padded.numel() * padded.element_size()
         start, end = pieces[data_rank]
         out[name] = mine[: end - start].clone()
