@@ -38,10 +38,39 @@ REPO = Path(__file__).resolve().parents[2]
 GROUPS = 4
 CASES = {"grpo": ("grpo", GROUPS), "dapo-uneven": ("dapo", 3), "one-group": ("dapo", 1)}
 """Run id -> (loss type, groups per step): the step's groups split evenly over two replicas,
-unevenly (2 + 1), and onto one replica while the other has none."""
+unevenly (2 + 1), and onto one replica while the other has none (that run also evaluates
+held-out prompts after its step)."""
+
+
+HELD_OUT = {
+    "type": "haystack",
+    "rewards": ["tests.training.helpers:checksum_reward"],
+    "num_prompts": 2,
+    "task": {
+        "num_prompt_tokens": 64,
+        "key_length": 2,
+        "value_length": 1,
+        "value_alphabet": "0123456789",
+        "num_distinct_distractors": 8,
+        "distractor_fraction": 1.0,
+        "include_header": False,
+        "seed": 1000,
+    },
+}
+"""Held-out prompts the one-group case evaluates after its step (on replica 0's ranks)."""
 
 
 def _config(root: Path, checkpoint: Path, case: str, run_id: str | None = None):
+    config = _training_config(root, checkpoint, case, run_id)
+    if case != "one-group":
+        return config
+    raw = config.model_dump(mode="json")
+    raw["train"]["eval_steps"] = 1
+    raw["eval"] = {"data": HELD_OUT}
+    return type(config).model_validate(raw)
+
+
+def _training_config(root: Path, checkpoint: Path, case: str, run_id: str | None):
     loss_type, groups = CASES[case]
     return run_config(
         root,
@@ -130,6 +159,8 @@ def test_two_replicas_train_what_one_process_trains(
             checkpoint_dir("qwen3_5"),
         )
         _assert_same_metrics(history, reference)
+        assert [m.eval for m in history] == [m.eval for m in reference]
+        assert (config.eval is None) == (history[-1].eval is None), "no evaluation to compare"
         groups = config.train.groups_per_step
         assert _replica_of_each_group(config) == {g: g % 2 for g in range(groups)}
 
