@@ -241,13 +241,17 @@ def chunked_in_float64(
     initial_state: torch.Tensor,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    with_output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`chunked_gated_delta_rule`'s computation with every operation in float64, differentiable
     by plain autograd (so its backward is float64 too) ->
     (output [B, T, Hv, Dv] float64, final state [B, Hv, Dk, Dv] float64).
 
     For the backwards that must not round to fp32 inside: the chunked kernel's own and the
-    blockwise backward's recomputation (`longstraw.ops.blockwise_backward`).
+    blockwise backward's recomputation (`longstraw.ops.blockwise_backward`). `with_output=False`
+    computes only the final state (the same bits) and returns None for the output: what the
+    blockwise backward's replay of the states entering its blocks needs.
     """
     _check_inputs(query, key, value, g, beta, initial_state, {})
     if chunk_size < 1:
@@ -262,12 +266,26 @@ def chunked_in_float64(
         initial_state.double(),
         use_qk_l2norm_in_kernel,
         torch.float64,
+        with_output=with_output,
     )
 
 
-def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2norm_in_kernel, dtype):
+def _chunked(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size,
+    initial_state,
+    use_qk_l2norm_in_kernel,
+    dtype,
+    *,
+    with_output: bool = True,
+):
     """`chunked_gated_delta_rule`'s computation, in `dtype` (float32 for the kernel) ->
-    (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`)."""
+    (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`); the
+    output is None without `with_output` (the state's computation is the same)."""
     out_dtype = query.dtype
     B, T, _, Dk = key.shape
     Hv, Dv = value.shape[2:]
@@ -278,7 +296,7 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
     else:
         state = initial_state.to(device=v.device, dtype=dtype)
     if T == 0:
-        return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), state
+        return (value.new_zeros(B, 0, Hv, Dv).to(out_dtype) if with_output else None), state
 
     C = min(chunk_size, T)
     # Padded tokens have k = v = beta = 0 and g = 0 (decay 1): they leave the state untouched.
@@ -310,14 +328,20 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
     )
     u_BHNCV = inv_BHNCC @ (v_BHNCV * beta_BHNC1)
     w_BHNCK = inv_BHNCC @ (k_beta_BHNCK * from_start_BHNC.unsqueeze(-1))
-    attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
-
     # Keys weighted by the decay from each token to the chunk end, for the state update.
     k_to_end_BHNCK = k_BHNCK * to_end_BHNC.unsqueeze(-1)
     chunk_decay_BHN11 = from_start_BHNC[..., -1, None, None]
 
     # Sequential scan: only what needs the running state. starts[i] is the state entering chunk i.
     starts, v_new = [], []
+    if not with_output:
+        for i in range(N):
+            v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
+            state = (
+                state * chunk_decay_BHN11[:, :, i]
+                + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
+            )
+        return None, state
     for i in range(N):
         starts.append(state)
         v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
@@ -329,6 +353,7 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
     v_new_BHNCV = torch.stack(v_new, dim=2)
 
     # Output = read of the entering state (decayed to each token) + intra-chunk attention.
+    attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
     q_decayed_BHNCK = q_BHNCK * from_start_BHNC.unsqueeze(-1)
     out_BHNCV = q_decayed_BHNCK @ starts_BHNKV + attn_BHNCC @ v_new_BHNCV
     out = out_BHNCV.reshape(B, Hv, N * C, Dv)[:, :, :T]
