@@ -42,6 +42,7 @@ import torch
 from longstraw.ops import dispatch
 from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
 from longstraw.ops.gated_delta_rule import chunked_in_float64
+from longstraw.ops.gated_delta_rule_vjp import chunked_vjp_in_float64
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
 # 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
@@ -238,6 +239,21 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
             torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV.double()
         )
         for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
+            if in_float64:
+                # The block's vector-Jacobian product written out in float64
+                # (`chunked_vjp_in_float64`: autograd's through `chunked_in_float64`, to float64
+                # rounding, without its output and per-chunk bookkeeping).
+                *grads, cot_state = chunked_vjp_in_float64(
+                    *(x[:, start:end] for x in inputs),
+                    initial_state=start_state,
+                    grad_out=grad_out_BTHV[:, start:end],
+                    grad_final=cot_state,
+                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                )
+                for i, grad in enumerate(grads):
+                    if needs[i]:
+                        grads_in[i][:, start:end] = grad
+                continue
             leaves = [
                 x[:, start:end].detach().to(work or x.dtype).requires_grad_(need)
                 for x, need in zip(inputs, needs, strict=True)

@@ -333,22 +333,20 @@ def _chunked(
     chunk_decay_BHN11 = from_start_BHNC[..., -1, None, None]
 
     # Sequential scan: only what needs the running state. starts[i] is the state entering chunk i.
+    # The per-chunk pieces are taken by one unbind each: under autograd its backward is one stack,
+    # where indexing chunk i would zero-fill and write a whole [B, H, N, ...] gradient per chunk.
+    u_chunks, w_chunks = u_BHNCV.unbind(2), w_BHNCK.unbind(2)
+    decay_chunks, k_to_end_chunks = chunk_decay_BHN11.unbind(2), k_to_end_BHNCK.unbind(2)
     starts, v_new = [], []
-    if not with_output:
-        for i in range(N):
-            v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
-            state = (
-                state * chunk_decay_BHN11[:, :, i]
-                + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
-            )
-        return None, state
     for i in range(N):
-        starts.append(state)
-        v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
-        v_new.append(v_new_i)
-        state = (
-            state * chunk_decay_BHN11[:, :, i] + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
-        )
+        if with_output:
+            starts.append(state)
+        v_new_i = u_chunks[i] - w_chunks[i] @ state
+        if with_output:
+            v_new.append(v_new_i)
+        state = state * decay_chunks[i] + k_to_end_chunks[i].transpose(-1, -2) @ v_new_i
+    if not with_output:
+        return None, state
     starts_BHNKV = torch.stack(starts, dim=2)
     v_new_BHNCV = torch.stack(v_new, dim=2)
 
