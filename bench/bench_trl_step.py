@@ -21,8 +21,9 @@ after each process.
   generation and scoring (`_generate_and_score_completions`); the rest is the train part.
 - LongStraw: `longstraw train --no-prefect` on a JSONL prompt dataset holding the same
   `prompt_ids`, exact prompt gradient, `engine.shard_tokens` 2048, one step of one group, no
-  persistence (`storage.persist_mode: off`). Phases from its `metrics.jsonl` (prefill, rollout,
-  replay, sweep, optimizer ...): generation = prefill + rollout, train = the rest.
+  persistence (`storage.persist_mode: off`). Phases from its `metrics.jsonl`: generation =
+  prefill + rollout + reward, train = replay + sweep + update; the final checkpoint's write is
+  left out of the step (TRL saves nothing).
 
 Whole step and peak RSS (the child's `ru_maxrss`, model load included) per system; the JSON
 holds every run and the ratios TRL / LongStraw per round and of the medians.
@@ -55,6 +56,12 @@ def reward(prompt, response, metadata=None):
 '''
 """The one reward both systems score with: written next to the run config as `step_reward.py`
 (LongStraw's `data.rewards: [step_reward:reward]`; TRL's reward function calls it)."""
+
+GENERATION_STAGES = ("prefill", "rollout", "reward")
+"""LongStraw's stages that TRL's `_generate_and_score_completions` does (prompt, sampling,
+rewards); the others (replay, sweep, update) are the train part."""
+LEFT_OUT_STAGES = ("checkpoint",)
+"""Writing the checkpoint after the run's last step: TRL runs with `save_strategy="no"`."""
 
 OMP_PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 """Idle OpenMP threads sleep instead of spinning (a spinning 2-thread process ran 3x slower)."""
@@ -90,7 +97,7 @@ def trl_worker(root: Path, checkpoint: str, prompt_len: int, args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(root))
-    from step_reward import reward  # noqa: E402  (written by `prepare`)
+    from step_reward import reward  # written by `prepare`
 
     torch.set_num_threads(args.threads)
     prompt_ids = json.loads((root / "prompts.jsonl").read_text())["prompt_ids"]
@@ -162,7 +169,7 @@ def trl_worker(root: Path, checkpoint: str, prompt_len: int, args) -> dict:
 # --- LongStraw -------------------------------------------------------------------------------------
 
 
-def longstraw_config(root: Path, checkpoint: str, args) -> dict:
+def longstraw_config(root: Path, prompts: Path, checkpoint: str, args) -> dict:
     return {
         "run_id": "longstraw-step",
         "model": {"checkpoint": checkpoint, "dtype": "float32"},
@@ -175,7 +182,7 @@ def longstraw_config(root: Path, checkpoint: str, args) -> dict:
         },
         "data": {
             "type": "jsonl",
-            "path": str(root / "prompts.jsonl"),
+            "path": str(prompts),
             "rewards": ["step_reward:reward"],
         },
         "train": {"num_steps": 1, "groups_per_step": 1, "checkpoint_every": 100, "seed": SEED},
@@ -184,11 +191,12 @@ def longstraw_config(root: Path, checkpoint: str, args) -> dict:
 
 
 def longstraw_run(root: Path, checkpoint: str, args) -> tuple[list[str], Path]:
-    run_root = root / "longstraw-run"
-    run_root.mkdir(parents=True, exist_ok=True)
+    run_root = root / f"longstraw-run-{time.monotonic_ns()}"
+    run_root.mkdir(parents=True)
     config_path = run_root / "run.yaml"
     (run_root / "step_reward.py").write_text(REWARD_SOURCE)
-    config_path.write_text(yaml.safe_dump(longstraw_config(run_root, checkpoint, args)))
+    config = longstraw_config(run_root, root / "prompts.jsonl", checkpoint, args)
+    config_path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path),
                "--no-prefect"]  # fmt: skip
     return command, run_root
@@ -198,8 +206,8 @@ def longstraw_result(run_root: Path) -> dict:
     metrics = run_root / "longstraw-out" / "runs" / "longstraw-step" / "metrics.jsonl"
     row = json.loads(metrics.read_text().splitlines()[-1])
     seconds = row["seconds"]
-    generation = sum(seconds.get(k, 0.0) for k in ("prefill", "rollout"))
-    step = sum(seconds.values())
+    generation = sum(seconds.get(k, 0.0) for k in GENERATION_STAGES)
+    step = sum(v for k, v in seconds.items() if k not in LEFT_OUT_STAGES)
     return {
         "system": "longstraw",
         "step_s": step,
@@ -222,7 +230,7 @@ def one_process(system: str, root: Path, checkpoint: str, args) -> dict:
                    "--completion", str(args.completion)]  # fmt: skip
         run_root = None
     else:
-        command, run_root = longstraw_run(root / f"ls-{time.monotonic_ns()}", checkpoint, args)
+        command, run_root = longstraw_run(root, checkpoint, args)
     load_before = os.getloadavg()
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
