@@ -42,7 +42,11 @@ import torch
 from longstraw.ops import dispatch
 from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
 from longstraw.ops.gated_delta_rule import chunked_in_float64
-from longstraw.ops.gated_delta_rule_vjp import chunked_vjp_in_float64
+from longstraw.ops.gated_delta_rule_vjp import (
+    KeptChunks,
+    chunked_end_state_in_float64,
+    chunked_vjp_in_float64,
+)
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
 # 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
@@ -222,15 +226,28 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         inputs = (query, key, value, g_blocks, beta)
         work = torch.float64 if in_float64 else None
         entering = [state_BHKV.double()]
+        # LongStraw's kernel: the replay keeps, per block, what the block's vector-Jacobian
+        # product reads of its forward (`KeptChunks`: the UT transform, the states entering its
+        # chunks, the new values; 6 float64 tensors of a block's size, about 6 MB for 256 tokens
+        # of 8 heads of 64), so no block's forward runs twice; freed block by block below.
+        kept: list[KeptChunks | None] = []
         with torch.no_grad():
             for start, end in blocks[:-1]:
-                _, end_state = chunked_in_float64(
-                    *(x[:, start:end] for x in inputs),
-                    initial_state=entering[-1],
-                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
-                    with_output=False,
-                )
+                if in_float64:
+                    end_state, pieces = chunked_end_state_in_float64(
+                        *(x[:, start:end] for x in inputs),
+                        initial_state=entering[-1],
+                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    )
+                    kept.append(pieces)
+                else:
+                    _, end_state = chunked_in_float64(
+                        *(x[:, start:end] for x in inputs),
+                        initial_state=entering[-1],
+                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    )
                 entering.append(end_state)
+        kept.append(None)
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
@@ -249,6 +266,7 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
                     grad_out=grad_out_BTHV[:, start:end],
                     grad_final=cot_state,
                     use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    kept=kept.pop(),
                 )
                 for i, grad in enumerate(grads):
                     if needs[i]:

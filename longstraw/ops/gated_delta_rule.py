@@ -241,17 +241,13 @@ def chunked_in_float64(
     initial_state: torch.Tensor,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
-    *,
-    with_output: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_gated_delta_rule`'s computation with every operation in float64, differentiable
     by plain autograd (so its backward is float64 too) ->
     (output [B, T, Hv, Dv] float64, final state [B, Hv, Dk, Dv] float64).
 
     For the backwards that must not round to fp32 inside: the chunked kernel's own and the
-    blockwise backward's recomputation (`longstraw.ops.blockwise_backward`). `with_output=False`
-    computes only the final state (the same bits) and returns None for the output: what the
-    blockwise backward's replay of the states entering its blocks needs.
+    blockwise backward's recomputation (`longstraw.ops.blockwise_backward`).
     """
     _check_inputs(query, key, value, g, beta, initial_state, {})
     if chunk_size < 1:
@@ -266,26 +262,12 @@ def chunked_in_float64(
         initial_state.double(),
         use_qk_l2norm_in_kernel,
         torch.float64,
-        with_output=with_output,
     )
 
 
-def _chunked(
-    query,
-    key,
-    value,
-    g,
-    beta,
-    chunk_size,
-    initial_state,
-    use_qk_l2norm_in_kernel,
-    dtype,
-    *,
-    with_output: bool = True,
-):
+def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2norm_in_kernel, dtype):
     """`chunked_gated_delta_rule`'s computation, in `dtype` (float32 for the kernel) ->
-    (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`); the
-    output is None without `with_output` (the state's computation is the same)."""
+    (output [B, T, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] in `dtype`)."""
     out_dtype = query.dtype
     B, T, _, Dk = key.shape
     Hv, Dv = value.shape[2:]
@@ -296,7 +278,7 @@ def _chunked(
     else:
         state = initial_state.to(device=v.device, dtype=dtype)
     if T == 0:
-        return (value.new_zeros(B, 0, Hv, Dv).to(out_dtype) if with_output else None), state
+        return value.new_zeros(B, 0, Hv, Dv).to(out_dtype), state
 
     C = min(chunk_size, T)
     # Padded tokens have k = v = beta = 0 and g = 0 (decay 1): they leave the state untouched.
@@ -339,14 +321,10 @@ def _chunked(
     decay_chunks, k_to_end_chunks = chunk_decay_BHN11.unbind(2), k_to_end_BHNCK.unbind(2)
     starts, v_new = [], []
     for i in range(N):
-        if with_output:
-            starts.append(state)
+        starts.append(state)
         v_new_i = u_chunks[i] - w_chunks[i] @ state
-        if with_output:
-            v_new.append(v_new_i)
+        v_new.append(v_new_i)
         state = state * decay_chunks[i] + k_to_end_chunks[i].transpose(-1, -2) @ v_new_i
-    if not with_output:
-        return None, state
     starts_BHNKV = torch.stack(starts, dim=2)
     v_new_BHNCV = torch.stack(v_new, dim=2)
 

@@ -30,10 +30,107 @@ give the trailing dims after [B, H, N].
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from longstraw.ops.gated_delta_rule import _check_inputs, _segment_decays, _to_heads_first
+
+
+class KeptChunks(NamedTuple):
+    """What the backward of one span reads that its forward computed with matmuls, a triangular
+    solve and the sequential scan (`chunked_end_state_in_float64(..., keep=True)`), all float64
+    [B, H, N, ...]: kept from the replay of the states entering the blockwise backward's blocks
+    so the span's vector-Jacobian product does not compute them again."""
+
+    kk: torch.Tensor
+    """[.., C, C] (beta k) k^T."""
+    inv: torch.Tensor
+    """[.., C, C] M^-1."""
+    u: torch.Tensor
+    """[.., C, V] M^-1 (beta v)."""
+    w: torch.Tensor
+    """[.., C, K] M^-1 (fs beta k)."""
+    starts: torch.Tensor
+    """[.., K, V] the state entering each chunk."""
+    v_new: torch.Tensor
+    """[.., C, V] vn = u - w S."""
+
+
+def _heads_first_padded(leaves, use_qk_l2norm_in_kernel, chunk_size):
+    """(q, k, v, g, beta) heads-first in float64, padded to whole chunks (module legend of
+    `longstraw.ops.gated_delta_rule`), and the chunk size and count."""
+    T = leaves[0].shape[1]
+    C = min(chunk_size, T)
+    pad = (C - T % C) % C
+    q, k, v, g_h, beta_h = _to_heads_first(*leaves, use_qk_l2norm_in_kernel, torch.float64)
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g_h, beta_h = (F.pad(x, (0, pad)) for x in (g_h, beta_h))
+    return (q, k, v, g_h, beta_h), C, (T + pad) // C
+
+
+def _kept_chunks(k_NCK, v_NCV, beta_NC1, seg, initial_state) -> tuple[KeptChunks, torch.Tensor]:
+    """The UT transform and the scan of `longstraw.ops.gated_delta_rule._chunked` (the same
+    operations in the same order, so the same bits) -> (the pieces, the final state)."""
+    C = k_NCK.shape[-2]
+    decay_NCC = seg[..., 1:]
+    from_start_NC = seg[..., 0]
+    to_end_NC = seg[..., -1, 1:]
+    kb_NCK = k_NCK * beta_NC1
+    kk_NCC = kb_NCK @ k_NCK.transpose(-1, -2)
+    ut_NCC = kk_NCC * decay_NCC
+    eye_CC = torch.eye(C, dtype=torch.float64, device=k_NCK.device)
+    inv_NCC = torch.linalg.solve_triangular(
+        ut_NCC, eye_CC.expand_as(ut_NCC), upper=False, unitriangular=True
+    )
+    u_NCV = inv_NCC @ (v_NCV * beta_NC1)
+    w_NCK = inv_NCC @ (kb_NCK * from_start_NC.unsqueeze(-1))
+    k_to_end_NCK = k_NCK * to_end_NC.unsqueeze(-1)
+    chunk_decay_N11 = from_start_NC[..., -1, None, None]
+    state = initial_state.detach().to(torch.float64)
+    starts, v_new = [], []
+    u_chunks, w_chunks = u_NCV.unbind(2), w_NCK.unbind(2)
+    decay_chunks, k_to_end_chunks = chunk_decay_N11.unbind(2), k_to_end_NCK.unbind(2)
+    for n in range(k_NCK.shape[2]):
+        starts.append(state)
+        v_new_n = u_chunks[n] - w_chunks[n] @ state
+        v_new.append(v_new_n)
+        state = state * decay_chunks[n] + k_to_end_chunks[n].transpose(-1, -2) @ v_new_n
+    kept = KeptChunks(
+        kk_NCC, inv_NCC, u_NCV, w_NCK, torch.stack(starts, dim=2), torch.stack(v_new, dim=2)
+    )
+    return kept, state
+
+
+def chunked_end_state_in_float64(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, KeptChunks]:
+    """The final state of `chunked_in_float64(...)` (the same bits), without its output and
+    without autograd, and the pieces its vector-Jacobian product reads
+    (`chunked_vjp_in_float64(..., kept=)`)."""
+    _check_inputs(query, key, value, g, beta, initial_state, {})
+    B, _, _, Dk = key.shape
+    Hv, Dv = value.shape[2:]
+    with torch.no_grad():
+        leaves = [x.to(torch.float64) for x in (query, key, value, g, beta)]
+        (_, k, v, g_h, beta_h), C, N = _heads_first_padded(
+            leaves, use_qk_l2norm_in_kernel, chunk_size
+        )
+        seg = _segment_decays(g_h.view(B, Hv, N, C))
+        kept, state = _kept_chunks(
+            k.view(B, Hv, N, C, Dk), v.view(B, Hv, N, C, Dv), beta_h.view(B, Hv, N, C, 1), seg,
+            initial_state,
+        )  # fmt: skip
+    return state, kept
 
 
 def chunked_vjp_in_float64(
@@ -47,26 +144,26 @@ def chunked_vjp_in_float64(
     grad_final: torch.Tensor | None,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    kept: KeptChunks | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of <grad_out, out> + <grad_final, final state> for
     `chunked_in_float64(query, key, value, g, beta, initial_state, chunk_size, ...)` ->
     (d query, d key, d value, d g, d beta, d initial_state), float64, in the inputs' layouts
-    (module legend of `longstraw.ops.gated_delta_rule`). A None cotangent is zero.
+    (module legend of `longstraw.ops.gated_delta_rule`). A None cotangent is zero. `kept`: what
+    `chunked_end_state_in_float64` gave for these same inputs (not computed again).
     """
     _check_inputs(query, key, value, g, beta, initial_state, {})
     B, T, _, Dk = key.shape
     Hv, Dv = value.shape[2:]
     f64 = torch.float64
     leaves = [x.detach().to(f64).requires_grad_(True) for x in (query, key, value, g, beta)]
-    C = min(chunk_size, T)
-    pad = (C - T % C) % C
-    N = (T + pad) // C
     with torch.enable_grad():
-        q, k, v, g_h, beta_h = _to_heads_first(*leaves, use_qk_l2norm_in_kernel, f64)
-        if pad:
-            q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-            g_h, beta_h = (F.pad(x, (0, pad)) for x in (g_h, beta_h))
+        (q, k, v, g_h, beta_h), C, N = _heads_first_padded(
+            leaves, use_qk_l2norm_in_kernel, chunk_size
+        )
         seg_graph = _segment_decays(g_h.view(B, Hv, N, C))
+    pad = N * C - T
     preamble = (q, k, v, beta_h)
     q_NCK, k_NCK = q.detach().view(B, Hv, N, C, Dk), k.detach().view(B, Hv, N, C, Dk)
     v_NCV = v.detach().view(B, Hv, N, C, Dv)
@@ -77,30 +174,14 @@ def chunked_vjp_in_float64(
     to_end_NC = seg[..., -1, 1:]
     chunk_decay_N11 = from_start_NC[..., -1, None, None]
 
-    # --- forward: what the backward reads ---
+    # --- forward: what the backward reads (kept by the replay, or computed here) ---
+    if kept is None:
+        kept, _ = _kept_chunks(k_NCK, v_NCV, beta_NC1, seg, initial_state)
+    kk_NCC, inv_NCC, u_NCV, w_NCK, start_NKV, vn_NCV = kept
     kb_NCK = k_NCK * beta_NC1
-    kk_NCC = kb_NCK @ k_NCK.transpose(-1, -2)
-    eye_CC = torch.eye(C, dtype=f64, device=value.device)
-    ut_NCC = kk_NCC * decay_NCC
-    inv_NCC = torch.linalg.solve_triangular(
-        ut_NCC, eye_CC.expand_as(ut_NCC), upper=False, unitriangular=True
-    )
-    vb_NCV = v_NCV * beta_NC1
-    kbf_NCK = kb_NCK * from_start_NC.unsqueeze(-1)
-    u_NCV = inv_NCC @ vb_NCV
-    w_NCK = inv_NCC @ kbf_NCK
     k_to_end_NCK = k_NCK * to_end_NC.unsqueeze(-1)
-    state = initial_state.detach().to(f64)
-    starts, v_new = [], []
-    u_chunks, w_chunks = u_NCV.unbind(2), w_NCK.unbind(2)
-    decay_chunks, k_to_end_chunks = chunk_decay_N11.unbind(2), k_to_end_NCK.unbind(2)
-    for n in range(N):
-        starts.append(state)
-        v_new_n = u_chunks[n] - w_chunks[n] @ state
-        v_new.append(v_new_n)
-        state = state * decay_chunks[n] + k_to_end_chunks[n].transpose(-1, -2) @ v_new_n
-    start_NKV = torch.stack(starts, dim=2)
-    vn_NCV = torch.stack(v_new, dim=2)
+    w_chunks, k_to_end_chunks = w_NCK.unbind(2), k_to_end_NCK.unbind(2)
+    decay_chunks = chunk_decay_N11.unbind(2)
 
     # --- backward ---
     if grad_out is None:
@@ -110,7 +191,11 @@ def chunked_vjp_in_float64(
         if pad:
             do = F.pad(do, (0, 0, 0, pad))
         do_NCV = do.reshape(B, Hv, N, C, Dv)
-    d_state = torch.zeros_like(state) if grad_final is None else grad_final.detach().to(f64).clone()
+    d_state = (
+        torch.zeros_like(start_NKV[:, :, 0])
+        if grad_final is None
+        else grad_final.detach().to(f64).clone()
+    )
     qk_NCC = q_NCK @ k_NCK.transpose(-1, -2)
     attn_NCC = qk_NCC * decay_NCC
     q_from_start_NCK = q_NCK * from_start_NC.unsqueeze(-1)

@@ -9,7 +9,7 @@ import torch
 
 from longstraw.ops.decay_gate import log_decays
 from longstraw.ops.gated_delta_rule import chunked_in_float64
-from longstraw.ops.gated_delta_rule_vjp import chunked_vjp_in_float64
+from longstraw.ops.gated_delta_rule_vjp import chunked_end_state_in_float64, chunked_vjp_in_float64
 
 SEED = 42
 # Both are float64 computations of the same chunked form in a different order: measured
@@ -73,3 +73,28 @@ def test_chunked_vjp_matches_autograd_in_float64(shape, chunk_size, l2norm, cota
             f"{name}: relative error {rel:.3e} (max_diff {diff.max().item():.3e}, "
             f"mean_diff {diff.mean().item():.3e})"
         )
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk_size"), [((1, 256, 4, 8, 64, 64), 64), ((2, 77, 2, 4, 16, 24), 16)]
+)
+def test_kept_pieces_give_the_same_state_and_gradients_bitwise(shape, chunk_size):
+    """The replay's final state is `chunked_in_float64`'s, and the product given what the
+    replay kept is the product that computes them itself, bit for bit."""
+    q, k, v, g, beta, state = _inputs(*shape)
+    _, want_final = chunked_in_float64(
+        q, k, v, g, beta, initial_state=state, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True
+    )
+    final, kept = chunked_end_state_in_float64(
+        q, k, v, g, beta, state, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True
+    )
+    assert torch.equal(final, want_final)
+    gen = torch.Generator().manual_seed(SEED + 2)
+    grad_out = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    grad_final = torch.randn(final.shape, generator=gen, dtype=torch.float64)
+    args = (q, k, v, g, beta, state, grad_out, grad_final)
+    options = {"chunk_size": chunk_size, "use_qk_l2norm_in_kernel": True}
+    computed = chunked_vjp_in_float64(*args, **options)
+    given = chunked_vjp_in_float64(*args, **options, kept=kept)
+    for a, b in zip(given, computed, strict=True):
+        assert torch.equal(a, b)
