@@ -13,9 +13,11 @@ it is built and freed one block of tokens at a time:
   backpropagates `block_tokens` rows at a time.
 - `gated_delta_rule_recomputed_in_blocks(...)`: for the gated delta rule, whose tokens are tied
   by the recurrent state, backward first replays the recurrence without autograd, in float64,
-  to get the state entering each block, then walks the blocks last to first: recompute one block
-  from its entering state (a leaf) in float64, backpropagate its output cotangent and the
-  cotangent of its end state there, hand the entering state's cotangent to the previous block.
+  to get the state entering each block (keeping what each block's backward reads of its
+  forward), then walks the blocks last to first: take one block's vector-Jacobian product in
+  float64 from its entering state (`longstraw.ops.gated_delta_rule_vjp`, written out by hand),
+  with its output cotangent and the cotangent of its end state, and hand the entering state's
+  cotangent to the previous block.
 
 The delta rule's wrapper is also what branch replay backpropagates through
 (`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel, in float64,
