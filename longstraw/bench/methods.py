@@ -10,13 +10,17 @@ Legend: P prompt tokens, G responses, R_i response tokens, V vocabulary.
   `_get_per_token_logps_and_entropies`), the group's GRPO loss, backward. Micro-batch 1 (gradient
   accumulation over the group), the most memory-frugal way to run it; `measured_sequences` of
   the G sequences are run and the time is scaled linearly to G.
-- `trl_step`: TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch (optional).
+- `trl_step`: TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch, one sequence at a
+  time (optional): checks that `full_sequence_step` computes TRL's loss; it is not a TRL
+  training step (`bench/bench_trl_step.py` runs one: `GRPOTrainer.train()`, all G rows at once,
+  its own generation).
 - `prefill_step` / `hf_forward_step`: the prompt alone, LongStraw's sharded no-grad prefill against
   transformers' plain forward at its best settings (no grad, sdpa, `logits_to_keep=1`, no cache).
 - `rollout_step` / `trl_generate_step`: sampling G completions of exactly `response_tokens`
   tokens from one prompt: LongStraw's prefill + `sample_responses` (one state, G rows decoded in
   one batch) against TRL 1.16's own generation (`GRPOTrainer._generate_single_turn`: G prompt
-  copies through transformers' `generate`, gradient checkpointing on in training as TRL runs it).
+  copies through transformers' `generate`, gradient checkpointing on in training as TRL runs it):
+  TRL's generation function alone, not its training step.
 - `decode_steps`: the time of one decoding step for each G of `decode_group_sizes` from one
   prefilled state.
 - `naive_group_gradient`: the reference gradient, full-sequence autograd over the whole group
@@ -179,7 +183,9 @@ def trl_inputs(spec: BenchSpec, batch: Batch, indices: list[int]) -> dict:
 
 
 def trl_step(model: PreTrainedModel, spec: BenchSpec, batch: Batch, work_dir: str) -> dict:
-    """TRL's loss path, micro-batches of one sequence (gradient accumulation over the group)."""
+    """TRL's loss function (`_compute_loss`) on micro-batches of one sequence, `measured_sequences`
+    of them, the time scaled to G: what a step's loss and backward cost sequence by sequence, not
+    a TRL training step (no generation, no optimizer, not TRL's batching)."""
     trainer = _trl_trainer(model, spec, batch, work_dir)
     model.gradient_checkpointing_enable()
     model.train()

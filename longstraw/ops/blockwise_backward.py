@@ -13,9 +13,11 @@ it is built and freed one block of tokens at a time:
   backpropagates `block_tokens` rows at a time.
 - `gated_delta_rule_recomputed_in_blocks(...)`: for the gated delta rule, whose tokens are tied
   by the recurrent state, backward first replays the recurrence without autograd, in float64,
-  to get the state entering each block, then walks the blocks last to first: recompute one block
-  from its entering state (a leaf) in float64, backpropagate its output cotangent and the
-  cotangent of its end state there, hand the entering state's cotangent to the previous block.
+  to get the state entering each block (keeping what each block's backward reads of its
+  forward), then walks the blocks last to first: take one block's vector-Jacobian product in
+  float64 from its entering state (`longstraw.ops.gated_delta_rule_vjp`, written out by hand),
+  with its output cotangent and the cotangent of its end state, and hand the entering state's
+  cotangent to the previous block.
 
 The delta rule's wrapper is also what branch replay backpropagates through
 (`longstraw.engine.delta_rule`): its recomputation on LongStraw's chunked kernel, in float64,
@@ -35,12 +37,18 @@ Legend: T tokens, B batch, H heads, D dims; parameter gradients are summed over 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from longstraw.ops import dispatch
 from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
 from longstraw.ops.gated_delta_rule import chunked_in_float64
+from longstraw.ops.gated_delta_rule_vjp import (
+    KeptChunks,
+    chunked_end_state_in_float64,
+    chunked_vjp_in_float64,
+)
 
 # 256 tokens: four 64-token chunks of the gated delta rule per block; the MLP of a 512-wide,
 # 1536-intermediate layer keeps ~6 MB per block instead of ~50 MB for a 2048-token shard.
@@ -51,10 +59,26 @@ def _blocks(total: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, total)) for start in range(0, total, block)]
 
 
+@dataclass(frozen=True)
+class OutputProjection:
+    """`fn(x) = projection(inner(x))` with `projection` a linear layer: the backward then
+    recomputes only `inner` and takes the projection's gradients by hand (dW = dy^T h,
+    dh = dy W), one matmul fewer per block than recomputing `fn` (a gated MLP's down projection:
+    a third of its forward)."""
+
+    inner: Callable[[torch.Tensor], torch.Tensor]
+    projection: torch.nn.Linear
+
+
+def _add_into(dparams: list, i: int, grad: torch.Tensor | None) -> None:
+    if grad is not None:
+        dparams[i] = grad.float() if dparams[i] is None else dparams[i].add_(grad)
+
+
 class _RowsRecomputedInBlocks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, block_tokens, x_BTC, *params):
-        ctx.fn, ctx.block_tokens, ctx.params = fn, block_tokens, params
+    def forward(ctx, fn, block_tokens, split, x_BTC, *params):
+        ctx.fn, ctx.block_tokens, ctx.split, ctx.params = fn, block_tokens, split, params
         ctx.save_for_backward(x_BTC)
         with torch.no_grad():
             return fn(x_BTC)
@@ -62,30 +86,45 @@ class _RowsRecomputedInBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_BTC):
         (x_BTC,) = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[2]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        need_x = ctx.needs_input_grad[3]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
         dx_BTC = torch.zeros_like(x_BTC) if need_x else None
         dparams: list[torch.Tensor | None] = [None] * len(ctx.params)
+        split: OutputProjection | None = ctx.split
+        by_hand = []
+        if split is not None:
+            # The projection's own parameters get their gradients by hand, not from autograd.
+            own = {id(split.projection.weight), id(split.projection.bias)}
+            by_hand = [i for i in wanted if id(ctx.params[i]) in own]
+            wanted = [i for i in wanted if i not in by_hand]
         for start, end in _blocks(x_BTC.shape[1], ctx.block_tokens):
             x_block = x_BTC[:, start:end].detach().requires_grad_(need_x)
+            grad_block = grad_out_BTC[:, start:end]
             with torch.enable_grad():
-                out_block = ctx.fn(x_block)
+                out_block = ctx.fn(x_block) if split is None else split.inner(x_block)
+            if split is not None:
+                weight = split.projection.weight
+                grad_rows = grad_block.reshape(-1, grad_block.shape[-1])
+                for i in by_hand:
+                    if ctx.params[i] is weight:
+                        hidden_rows = out_block.detach().reshape(-1, out_block.shape[-1])
+                        _add_into(dparams, i, grad_rows.T @ hidden_rows)
+                    else:
+                        _add_into(dparams, i, grad_rows.sum(0))
+                grad_block = grad_block @ weight.to(grad_block.dtype)
             inputs = ([x_block] if need_x else []) + [ctx.params[i] for i in wanted]
-            grads = list(
-                torch.autograd.grad(
-                    out_block, inputs, grad_out_BTC[:, start:end], allow_unused=True
-                )
-            )
+            if not inputs:
+                continue
+            grads = list(torch.autograd.grad(out_block, inputs, grad_block, allow_unused=True))
             if need_x:
                 dx_BTC[:, start:end] = grads.pop(0)
             for i, grad in zip(wanted, grads, strict=True):
-                if grad is not None:
-                    dparams[i] = grad.float() if dparams[i] is None else dparams[i].add_(grad)
+                _add_into(dparams, i, grad)
         dparams_typed = [
             None if grad is None else grad.to(param.dtype)
             for grad, param in zip(dparams, ctx.params, strict=True)
         ]
-        return (None, None, dx_BTC, *dparams_typed)
+        return (None, None, None, dx_BTC, *dparams_typed)
 
 
 def rows_recomputed_in_blocks(
@@ -94,12 +133,14 @@ def rows_recomputed_in_blocks(
     params: Sequence[torch.Tensor],
     *,
     block_tokens: int = BLOCK_TOKENS,
+    split: OutputProjection | None = None,
 ) -> torch.Tensor:
     """`fn(x_BTC)`, with a backward that recomputes `fn` on `block_tokens` rows at a time.
 
     `fn` must treat every token (dim 1) independently and read no tensor requiring grad other
     than `x_BTC` and `params` (its module's parameters), whose gradients it returns. Without
-    grad, this is `fn(x_BTC)`.
+    grad, this is `fn(x_BTC)`. `split`: `fn` is `split.projection(split.inner(x))`, and the
+    backward recomputes only `split.inner` (the forward still runs `fn`).
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
@@ -107,7 +148,7 @@ def rows_recomputed_in_blocks(
         raise ValueError(f"x must be [B, T, C]; got shape {tuple(x_BTC.shape)}")
     if not torch.is_grad_enabled():
         return fn(x_BTC)
-    return _RowsRecomputedInBlocks.apply(fn, block_tokens, x_BTC, *params)
+    return _RowsRecomputedInBlocks.apply(fn, block_tokens, split, x_BTC, *params)
 
 
 class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
@@ -187,14 +228,28 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
         inputs = (query, key, value, g_blocks, beta)
         work = torch.float64 if in_float64 else None
         entering = [state_BHKV.double()]
+        # LongStraw's kernel: the replay keeps, per block, what the block's vector-Jacobian
+        # product reads of its forward (`KeptChunks`: the UT transform, the states entering its
+        # chunks, the new values; 6 float64 tensors of a block's size, about 6 MB for 256 tokens
+        # of 8 heads of 64), so no block's forward runs twice; freed block by block below.
+        kept: list[KeptChunks | None] = []
         with torch.no_grad():
             for start, end in blocks[:-1]:
-                _, end_state = chunked_in_float64(
-                    *(x[:, start:end] for x in inputs),
-                    initial_state=entering[-1],
-                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
-                )
+                if in_float64:
+                    end_state, pieces = chunked_end_state_in_float64(
+                        *(x[:, start:end] for x in inputs),
+                        initial_state=entering[-1],
+                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    )
+                    kept.append(pieces)
+                else:
+                    _, end_state = chunked_in_float64(
+                        *(x[:, start:end] for x in inputs),
+                        initial_state=entering[-1],
+                        use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    )
                 entering.append(end_state)
+        kept.append(None)
 
         grads_in = [
             torch.zeros_like(x) if need else None for x, need in zip(inputs, needs, strict=True)
@@ -203,6 +258,22 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
             torch.zeros_like(entering[0]) if grad_final_BHKV is None else grad_final_BHKV.double()
         )
         for (start, end), start_state in zip(reversed(blocks), reversed(entering), strict=True):
+            if in_float64:
+                # The block's vector-Jacobian product written out in float64
+                # (`chunked_vjp_in_float64`: autograd's through `chunked_in_float64`, to float64
+                # rounding, without its output and per-chunk bookkeeping).
+                *grads, cot_state = chunked_vjp_in_float64(
+                    *(x[:, start:end] for x in inputs),
+                    initial_state=start_state,
+                    grad_out=grad_out_BTHV[:, start:end],
+                    grad_final=cot_state,
+                    use_qk_l2norm_in_kernel=ctx.use_l2norm,
+                    kept=kept.pop(),
+                )
+                for i, grad in enumerate(grads):
+                    if needs[i]:
+                        grads_in[i][:, start:end] = grad
+                continue
             leaves = [
                 x[:, start:end].detach().to(work or x.dtype).requires_grad_(need)
                 for x, need in zip(inputs, needs, strict=True)

@@ -6,6 +6,7 @@ Call sites (`SITES`) and their kernels, first applicable wins:
 | site | kernel | when |
 |---|---|---|
 | `full_attention.prefix`, `full_attention.branch`, `full_attention.decode` | `aten-cpu-flash` | CPU, queries fp32/bf16, keys and values in the queries' dtype, V = D |
+| `full_attention.backward` | `aten-cpu-flash` | CPU, queries, keys, values and output fp32, V = D: PyTorch's fused CPU flash backward, one call per prefix chunk and one for the causal branch |
 | `full_attention.prefix`, `full_attention.decode` | `flash-attn` | CUDA, flash-attn imports, queries bf16/fp16, keys/values in that dtype, V = D <= 256, D % 8 = 0 |
 | every attention site | `torch` | otherwise: LongStraw's chunked online softmax |
 | `linear_attention.recompute` | `fla` | CUDA, fla imports, inputs bf16/fp16, and `LONGSTRAW_FLA_RECOMPUTE=1` |
@@ -46,6 +47,7 @@ SITES = (
     "full_attention.prefix",
     "full_attention.branch",
     "full_attention.decode",
+    "full_attention.backward",
     "linear_attention.recompute",
     "linear_attention.conv",
 )
@@ -54,6 +56,9 @@ SITES = (
 # PyTorch's fused CPU flash attention returns the log-sum-exp beside the output (absent from
 # builds without it: then every CPU site takes the torch path).
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CPU_FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 # flash-attn 2 runs fp16/bf16 only, head dims up to 256 in multiples of 8, and one head dim for
 # keys and values.
@@ -133,6 +138,23 @@ def attention_kernel(
         and installed("flash_attn") is not None
     ):
         return FLASH_ATTN
+    return TORCH
+
+
+def attention_backward_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int
+) -> str:
+    """The kernel for the prefix-cached attention's backward: PyTorch's fused CPU flash
+    backward for fp32 on CPU (its partial over each key chunk, given the global output and
+    log-sum-exp, is that chunk's share of the gradient: FlashAttention-2's backward), else
+    LongStraw's chunked loop."""
+    if (
+        device.type == "cpu"
+        and CPU_FLASH_BACKWARD is not None
+        and dtype == torch.float32
+        and head_dim == value_dim
+    ):
+        return ATEN_CPU_FLASH
     return TORCH
 
 

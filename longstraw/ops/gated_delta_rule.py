@@ -310,25 +310,26 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
     )
     u_BHNCV = inv_BHNCC @ (v_BHNCV * beta_BHNC1)
     w_BHNCK = inv_BHNCC @ (k_beta_BHNCK * from_start_BHNC.unsqueeze(-1))
-    attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
-
     # Keys weighted by the decay from each token to the chunk end, for the state update.
     k_to_end_BHNCK = k_BHNCK * to_end_BHNC.unsqueeze(-1)
     chunk_decay_BHN11 = from_start_BHNC[..., -1, None, None]
 
     # Sequential scan: only what needs the running state. starts[i] is the state entering chunk i.
+    # The per-chunk pieces are taken by one unbind each: under autograd its backward is one stack,
+    # where indexing chunk i would zero-fill and write a whole [B, H, N, ...] gradient per chunk.
+    u_chunks, w_chunks = u_BHNCV.unbind(2), w_BHNCK.unbind(2)
+    decay_chunks, k_to_end_chunks = chunk_decay_BHN11.unbind(2), k_to_end_BHNCK.unbind(2)
     starts, v_new = [], []
     for i in range(N):
         starts.append(state)
-        v_new_i = u_BHNCV[:, :, i] - w_BHNCK[:, :, i] @ state
+        v_new_i = u_chunks[i] - w_chunks[i] @ state
         v_new.append(v_new_i)
-        state = (
-            state * chunk_decay_BHN11[:, :, i] + k_to_end_BHNCK[:, :, i].transpose(-1, -2) @ v_new_i
-        )
+        state = state * decay_chunks[i] + k_to_end_chunks[i].transpose(-1, -2) @ v_new_i
     starts_BHNKV = torch.stack(starts, dim=2)
     v_new_BHNCV = torch.stack(v_new, dim=2)
 
     # Output = read of the entering state (decayed to each token) + intra-chunk attention.
+    attn_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
     q_decayed_BHNCK = q_BHNCK * from_start_BHNC.unsqueeze(-1)
     out_BHNCV = q_decayed_BHNCK @ starts_BHNKV + attn_BHNCC @ v_new_BHNCV
     out = out_BHNCV.reshape(B, Hv, N * C, Dv)[:, :, :T]

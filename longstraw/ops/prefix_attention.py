@@ -272,6 +272,74 @@ def _attention_outputs(
     return out_BKGRV.view(batch, num_heads, branch_len, value_dim).to(q_BHRD.dtype), lse_BKGR
 
 
+# PyTorch's fused CPU flash backward: given the output and log-sum-exp of the whole attention,
+# its call over one chunk of keys returns that chunk's share of dq and the chunk's dK/dV
+# (FlashAttention-2's backward: dS = P * (dP - rowsum(dO * O)) with the global softmax).
+_CPU_FLASH_BACKWARD = dispatch.CPU_FLASH_BACKWARD
+
+
+def _flash_backward(
+    grad_out_BHRV: Tensor,
+    q_BHRD: Tensor,
+    k_branch_BKRD: Tensor,
+    v_branch_BKRD: Tensor,
+    out_BHRV: Tensor,
+    lse_BHR: Tensor,
+    prefixes: list,
+    scale: float,
+    chunk_size: int,
+) -> tuple:
+    """The backward by PyTorch's fused CPU kernel (fp32): one call per `chunk_size` prefix keys,
+    on the same grid as the forward (a streamed state hands one chunk at a time), each prefix's
+    dK/dV added into its buffers (summed over batch rows), then one causal call over the
+    branch. Every call rebuilds its scores inside the kernel, block by block; nothing
+    prefix- or [queries, keys]-sized is allocated."""
+    batch = q_BHRD.shape[0]
+    grad_out_BHRV = grad_out_BHRV.contiguous()
+    grad_q_BHRD = None
+    for k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD in prefixes:
+        for key_start in range(0, k_prefix_TKD.shape[0], chunk_size):
+            key_end = min(key_start + chunk_size, k_prefix_TKD.shape[0])
+            k_BKCD = k_prefix_TKD[key_start:key_end].to(q_BHRD.dtype).permute(1, 0, 2)[None]
+            v_BKCV = v_prefix_TKD[key_start:key_end].to(q_BHRD.dtype).permute(1, 0, 2)[None]
+            grad_q_c, grad_k_BKCD, grad_v_BKCV = _CPU_FLASH_BACKWARD(
+                grad_out_BHRV,
+                q_BHRD,
+                k_BKCD.expand(batch, -1, -1, -1),
+                v_BKCV.expand(batch, -1, -1, -1),
+                out_BHRV,
+                lse_BHR,
+                0.0,
+                False,
+                attn_mask=None,
+                scale=scale,
+            )
+            grad_q_BHRD = grad_q_c if grad_q_BHRD is None else grad_q_BHRD.add_(grad_q_c)
+            if grad_k_TKD is not None:
+                grad_k_TKD[key_start:key_end].add_(grad_k_BKCD.sum(0).transpose(0, 1))
+            if grad_v_TKD is not None:
+                grad_v_TKD[key_start:key_end].add_(grad_v_BKCV.sum(0).transpose(0, 1))
+    grad_q_b, grad_k_BKRD, grad_v_BKRV = _CPU_FLASH_BACKWARD(
+        grad_out_BHRV,
+        q_BHRD,
+        k_branch_BKRD,
+        v_branch_BKRD,
+        out_BHRV,
+        lse_BHR,
+        0.0,
+        True,
+        attn_mask=None,
+        scale=scale,
+    )
+    grad_q_BHRD = grad_q_b if grad_q_BHRD is None else grad_q_BHRD.add_(grad_q_b)
+    return (
+        grad_q_BHRD.to(q_BHRD.dtype),
+        grad_k_BKRD.to(k_branch_BKRD.dtype),
+        grad_v_BKRV.to(v_branch_BKRD.dtype),
+        *[None] * 8,  # prefix K/V, scale, chunk size, gradient buffers, extra prefix, outputs
+    )
+
+
 class _PrefixCachedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -319,6 +387,17 @@ class _PrefixCachedAttention(torch.autograd.Function):
             )
         scale, chunk_size = ctx.scale, ctx.chunk_size
         batch, num_heads, branch_len, _ = q_BHRD.shape
+        kernel = dispatch.ran(
+            "full_attention.backward",
+            dispatch.attention_backward_kernel(
+                q_BHRD.device, out_BHRV.dtype, q_BHRD.shape[-1], out_BHRV.shape[-1]
+            ),
+        )
+        if kernel == dispatch.ATEN_CPU_FLASH:
+            return _flash_backward(
+                grad_out_BHRV, q_BHRD, k_branch_BKRD, v_branch_BKRD, out_BHRV,
+                lse_BKGR.view(batch, num_heads, branch_len), ctx.prefixes, scale, chunk_size,
+            )  # fmt: skip
         num_kv_heads = k_branch_BKRD.shape[1]
         num_groups = num_heads // num_kv_heads
         dtype = lse_BKGR.dtype

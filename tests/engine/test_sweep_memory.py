@@ -49,6 +49,8 @@ def test_sweep_saves_mlp_and_delta_rule_activations_one_block_at_a_time(
     tiny_model, family, monkeypatch
 ):
     monkeypatch.setattr(sweep, "SWEEP_BLOCK_TOKENS", BLOCK)
+    # MLP blocks of BLOCK tokens too (the sweep's are a multiple of the delta rule's).
+    monkeypatch.setattr(sweep, "MLP_BLOCKS_PER_DELTA_RULE_BLOCK", 1)
     # Without the layer-level checkpoint, whose own saved-tensor hooks would hide every tensor
     # saved inside a layer from ours: what remains saved is what the blockwise functions keep.
     monkeypatch.setattr(sweep, "layerwise_recompute", lambda model: contextlib.nullcontext())

@@ -11,6 +11,7 @@ import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.blockwise_backward import (
+    OutputProjection,
     gated_delta_rule_recomputed_in_blocks,
     rows_recomputed_in_blocks,
 )
@@ -42,6 +43,28 @@ def test_rows_recomputed_in_blocks_matches_autograd(tokens, block):
     assert torch.equal(out, expected_out.detach())
     actual = torch.autograd.grad(out, [x, *mlp.parameters()], grad_out)
     _assert_grads_close(actual, expected, f"mlp T={tokens} block={block}")
+
+
+@pytest.mark.parametrize(("tokens", "block"), [(77, 10), (64, 64), (5, 256), (33, 1)])
+def test_output_projection_by_hand_matches_autograd(tokens, block):
+    """The last linear layer's gradients taken by hand (its input recomputed, not its output)."""
+    mlp = _mlp()
+    inner, projection = mlp[:2], mlp[2]
+    x = torch.randn(2, tokens, 16, requires_grad=True)
+    grad_out = torch.randn(2, tokens, 16)
+    expected_out = mlp(x)
+    expected = torch.autograd.grad(expected_out, [x, *mlp.parameters()], grad_out)
+
+    out = rows_recomputed_in_blocks(
+        mlp,
+        x,
+        list(mlp.parameters()),
+        block_tokens=block,
+        split=OutputProjection(inner, projection),
+    )
+    assert torch.equal(out, expected_out.detach())
+    actual = torch.autograd.grad(out, [x, *mlp.parameters()], grad_out)
+    _assert_grads_close(actual, expected, f"mlp by hand T={tokens} block={block}")
 
 
 def test_rows_recomputed_in_blocks_keeps_only_the_input_for_backward():
