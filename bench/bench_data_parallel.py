@@ -18,17 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train_ranks import OMP_PASSIVE, _sample
+from bench_train_ranks import train_process
 
 
 def run_config(root: Path, replicas: int, args) -> dict:
@@ -66,36 +61,13 @@ def gradient_bytes(args) -> int:
 
 
 def one_run(replicas: int, args, root: Path) -> dict:
-    root.mkdir(parents=True, exist_ok=True)
-    config_path = root / "run.yaml"
-    config_path.write_text(yaml.safe_dump(run_config(root, replicas, args)))
-    env = {**os.environ, **OMP_PASSIVE, "OMP_NUM_THREADS": "1"}
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path),
-         "--no-prefect"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    peaks: dict[int, int] = {}
-    stop = threading.Event()
-    sampler = threading.Thread(target=_sample, args=(process.pid, peaks, stop), daemon=True)
-    sampler.start()
-    out, _ = process.communicate()
-    stop.set()
-    sampler.join()
-    wall = time.perf_counter() - started
-    if process.returncode != 0:
-        raise RuntimeError(out.decode()[-3000:])
-    run = root / "runs" / f"replicas-{replicas}"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    ranks = sorted(peaks.items(), key=lambda kv: kv[0] != process.pid)
-    rank_peaks = [rss for _, rss in ranks if rss > 200 * 2**20][:replicas]
+    wall, peaks, rows = train_process(root, run_config(root, replicas, args), OMP_NUM_THREADS="1")
     return {
         "replicas": replicas,
         "wall_s": wall,
         "step_s": [r["step_seconds"] for r in rows],
         "stage_s": [r["seconds"] for r in rows],
-        "peak_rss_per_rank_bytes": rank_peaks,
+        "peak_rss_per_rank_bytes": peaks[:replicas],
         "loss": [r["loss"] for r in rows],
         "reward_mean": [r["reward_mean"] for r in rows],
         "replica_sum_bytes": [r["replica_sum_bytes"] for r in rows],

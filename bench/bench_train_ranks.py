@@ -66,10 +66,27 @@ def _sample(pid: int, peaks: dict[int, int], stop: threading.Event) -> None:
 
 
 def one_run(prompt_len: int, world_size: int, args, root: Path) -> dict:
+    wall, peaks, rows = train_process(root, run_config(root, prompt_len, world_size, args))
+    return {
+        "prompt_len": prompt_len,
+        "world_size": world_size,
+        "wall_s": wall,
+        "step_s": [sum(r["seconds"].values()) for r in rows],
+        "stage_s": [r["seconds"] for r in rows],
+        "peak_rss_per_rank_bytes": peaks[:world_size],
+        "loss": [r["loss"] for r in rows],
+        "reward_mean": [r["reward_mean"] for r in rows],
+        "load_avg": os.getloadavg(),
+    }
+
+
+def train_process(root: Path, config: dict, **env) -> tuple[float, list[int], list[dict]]:
+    """(wall seconds, peak RSS of the driver then of each rank it started, metrics rows) of one
+    `longstraw train --no-prefect` process on `config`, run under `root`."""
     root.mkdir(parents=True, exist_ok=True)
     config_path = root / "run.yaml"
-    config_path.write_text(yaml.safe_dump(run_config(root, prompt_len, world_size, args)))
-    env = {**os.environ, **OMP_PASSIVE}
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, **OMP_PASSIVE, **env}
     started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path),
@@ -86,26 +103,11 @@ def one_run(prompt_len: int, world_size: int, args, root: Path) -> dict:
     wall = time.perf_counter() - started
     if process.returncode != 0:
         raise RuntimeError(out.decode()[-3000:])
-    rows = [
-        json.loads(line)
-        for line in (root / "runs" / f"ranks-{world_size}" / "metrics.jsonl")
-        .read_text()
-        .splitlines()
-    ]
+    metrics = root / "runs" / config["run_id"] / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     # The driver is rank 0; the rest are its spawned ranks (and their resource trackers, small).
     ranks = sorted(peaks.items(), key=lambda kv: kv[0] != process.pid)
-    rank_peaks = [rss for _, rss in ranks if rss > 200 * 2**20][:world_size]
-    return {
-        "prompt_len": prompt_len,
-        "world_size": world_size,
-        "wall_s": wall,
-        "step_s": [sum(r["seconds"].values()) for r in rows],
-        "stage_s": [r["seconds"] for r in rows],
-        "peak_rss_per_rank_bytes": rank_peaks,
-        "loss": [r["loss"] for r in rows],
-        "reward_mean": [r["reward_mean"] for r in rows],
-        "load_avg": os.getloadavg(),
-    }
+    return wall, [rss for _, rss in ranks if rss > 200 * 2**20], rows
 
 
 def main() -> None:

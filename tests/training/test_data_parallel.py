@@ -15,8 +15,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
 from tests.training.helpers import run_config
-from tests.training.test_world_size import ADAM_EPSILON, _assert_same_checkpoint
+from tests.training.test_world_size import ADAM_EPSILON, _assert_same_checkpoint, _env, _train
 
 pytestmark = pytest.mark.slow
 
@@ -163,31 +161,6 @@ def test_two_replicas_train_what_one_process_trains(
         assert (config.eval is None) == (history[-1].eval is None), "no evaluation to compare"
         groups = config.train.groups_per_step
         assert _replica_of_each_group(config) == {g: g % 2 for g in range(groups)}
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    home = tmp_path / "prefect"
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_LOCAL_STORAGE_PATH=str(home / "results"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-        **extra,
-    )
-    return env
-
-
-def _train(config_path: Path, cwd: Path, env: dict, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "longstraw.cli", "train", "--config", str(config_path), *extra],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def test_replica_killed_mid_step_then_resume_on_the_flow_recomputes_only_unfinished_groups(
