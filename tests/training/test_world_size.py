@@ -65,9 +65,14 @@ def _config(root: Path, checkpoint: Path, run_id: str):
     )
 
 
-def _yaml(path: Path, config, world_size: int) -> Path:
+def _yaml(path: Path, config, world_size: int, data_parallel: int = 1) -> Path:
     raw = config.model_dump(mode="json")
-    raw["parallel"] = {"world_size": world_size, "backend": "gloo", "timeout_s": 120}
+    raw["parallel"] = {
+        "world_size": world_size,
+        "data_parallel": data_parallel,
+        "backend": "gloo",
+        "timeout_s": 120,
+    }
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -224,12 +229,15 @@ def test_rank_killed_mid_step_then_resume_on_the_flow_ends_with_the_single_proce
     assert sorted({n.split()[1] for n in shard_tasks}) == ["s0/3", "s1/3", "s2/3"]
 
 
+@pytest.mark.parametrize("data_parallel", [1, 2], ids=["one-replica", "two-replicas"])
 def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
-    tmp_path, checkpoint_dir, single_process
+    data_parallel, tmp_path, checkpoint_dir, single_process
 ):
     """Ranks from torchrun's c10d rendezvous (two "nodes" of one process each, on this machine)
     run `longstraw train`: rank 0 drives, rank 1 serves; one step equals the single process's.
-    Each "node" streams its slice under a state budget of 0 from its own scratch directory."""
+    Each "node" streams its slice under a state budget of 0 from its own scratch directory —
+    one prompt's slice each (one replica of two sequence ranks), or its own groups' whole
+    states (two replicas of one rank: a node per replica)."""
     _, reference_checkpoint, reference_history = single_process
     root = tmp_path / "root"
     scratch = tmp_path / "scratch"
@@ -237,7 +245,7 @@ def test_torchrun_two_nodes_on_loopback_train_the_single_process_step(
     base = _config(root, checkpoint_dir("qwen3_5"), "ranks")
     budget = {"state_budget_bytes": 0, "state_tier": "disk", "state_dir": str(scratch)}
     config = base.model_copy(update={"engine": base.engine.model_copy(update=budget)})
-    path = _yaml(tmp_path / "run.yaml", config, world_size=2)
+    path = _yaml(tmp_path / "run.yaml", config, world_size=2, data_parallel=data_parallel)
     port = free_port()
     env = _env(tmp_path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     nodes = [
