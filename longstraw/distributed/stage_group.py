@@ -164,10 +164,6 @@ class StageGroup:
         return self.rank == 0
 
     @property
-    def data_parallel(self) -> int:
-        return max(1, len(self.replicas))
-
-    @property
     def replica(self) -> Replica | None:
         """This rank's replica (None with one replica)."""
         if not self.replicas:
