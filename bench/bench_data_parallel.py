@@ -23,30 +23,19 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_ranks import run_config as train_ranks_config
 from bench_train_ranks import train_process
 
 
 def run_config(root: Path, replicas: int, args) -> dict:
-    return {
-        "run_id": f"replicas-{replicas}",
-        "model": {"init_family": "qwen3_5", "init_size": "small", "dtype": "float32"},
-        "engine": {"shard_tokens": args.shard_tokens, "prompt_grad": "exact"},
-        "grpo": {
-            "num_generations": args.group,
-            "max_completion_length": args.completion,
-            "learning_rate": 1e-5,
-            "loss_type": "dapo",
-        },
-        "data": {
-            "type": "haystack",
-            "num_prompts": 64,
-            "rewards": ["haystack_shaped"],
-            "task": {"num_prompt_tokens": args.prompt_len, "value_alphabet": "0123456789"},
-        },
-        "train": {"num_steps": args.steps, "groups_per_step": args.groups, "checkpoint_every": 100},
-        "storage": {"root_uri": str(root), "persist_mode": "background"},
-        "parallel": {"world_size": replicas, "data_parallel": replicas, "backend": "gloo"},
-    }
+    """`bench_train_ranks`'s run on `replicas` replicas of one rank, `args.groups` prompts a
+    step drawn from a stream of 64."""
+    config = train_ranks_config(root, args.prompt_len, replicas, args)
+    config["run_id"] = f"replicas-{replicas}"
+    config["data"]["num_prompts"] = 64
+    config["train"]["groups_per_step"] = args.groups
+    config["parallel"]["data_parallel"] = replicas
+    return config
 
 
 def gradient_bytes(args) -> int:

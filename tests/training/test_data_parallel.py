@@ -12,13 +12,9 @@ prompt gradient, G = 3, group i of a step on replica i mod 2.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -28,7 +24,13 @@ from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
 from tests.training.helpers import run_config
-from tests.training.test_world_size import ADAM_EPSILON, _assert_same_checkpoint, _env, _train
+from tests.training.test_world_size import (
+    ADAM_EPSILON,
+    _assert_same_checkpoint,
+    _env,
+    _kill_spawned_ranks_when,
+    _train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -182,23 +184,9 @@ def test_replica_killed_mid_step_then_resume_on_the_flow_recomputes_only_unfinis
     # group's rewards when replica 0's first rollout is recorded.
     slow = _env(tmp_path, LONGSTRAW_TEST_REWARD_DELAY_S="1.0")
     process = _train(path, tmp_path, slow, "--no-prefect")
-    try:
-        deadline = time.monotonic() + 600
-        while not finished.exists():
-            assert process.poll() is None, process.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "replica 0 never finished a rollout"
-            time.sleep(0.05)
-        ranks = psutil.Process(process.pid).children(recursive=True)
-        rank_1 = [p for p in ranks if "multiprocessing" in " ".join(p.cmdline())]
-        assert rank_1, [p.cmdline() for p in ranks]
-        for p in rank_1:
-            p.send_signal(signal.SIGKILL)
-        out, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    text = out.decode()
+    text, _ = _kill_spawned_ranks_when(
+        process, finished.exists, "replica 0 never finished a rollout"
+    )
     assert process.returncode != 0, text[-3000:]
     assert "rank 1" in text, text[-3000:]
     assert latest_checkpoint(config.storage, config.run_id) is None

@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -102,6 +103,30 @@ def _train(config_path: Path, cwd: Path, env: dict, *extra: str) -> subprocess.P
     )
 
 
+def _kill_spawned_ranks_when(
+    process: subprocess.Popen, ready: Callable[[], bool], never: str
+) -> tuple[str, list[psutil.Process]]:
+    """SIGKILL the ranks `process` spawned once `ready()` (failing with `never` after 600 s);
+    (the process's output once it has ended, every process that was below it)."""
+    try:
+        deadline = time.monotonic() + 600
+        while not ready():
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, never
+            time.sleep(0.05)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        rank_1 = [p for p in ranks if "multiprocessing" in " ".join(p.cmdline())]
+        assert len(rank_1) >= 1, [p.cmdline() for p in ranks]
+        for p in rank_1:
+            p.send_signal(signal.SIGKILL)
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return out.decode(), ranks
+
+
 def _assert_sharded_optimizer_state(checkpoint: Path, reference: Path) -> None:
     """`checkpoint`'s optimizer state is split by rows over two rank files (each rank held and
     wrote only its shard), and reassembled it is the single-process state."""
@@ -178,23 +203,11 @@ def test_rank_killed_mid_step_then_resume_on_the_flow_ends_with_the_single_proce
         LONGSTRAW_TEST_REWARD_DELAY_AFTER_CALLS=str(2 * 3),
     )
     process = _train(path, tmp_path, slow, "--no-prefect")
-    try:
-        deadline = time.monotonic() + 600
-        while len(list(run_dir.glob("policy-v1/prompts/*/COMMITTED.json"))) < 2:
-            assert process.poll() is None, process.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "step 1's prompt states were never committed"
-            time.sleep(0.05)
-        ranks = psutil.Process(process.pid).children(recursive=True)
-        rank_1 = [p for p in ranks if "multiprocessing" in " ".join(p.cmdline())]
-        assert len(rank_1) >= 1, [p.cmdline() for p in ranks]
-        for p in rank_1:
-            p.send_signal(signal.SIGKILL)
-        out, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    text = out.decode()
+    text, ranks = _kill_spawned_ranks_when(
+        process,
+        lambda: len(list(run_dir.glob("policy-v1/prompts/*/COMMITTED.json"))) >= 2,
+        "step 1's prompt states were never committed",
+    )
     assert process.returncode != 0, text[-3000:]
     assert "rank 1" in text, text[-3000:]
     assert not (run_dir / "checkpoints" / f"v{NUM_STEPS:06d}").exists()
