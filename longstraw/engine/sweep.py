@@ -33,6 +33,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.activations import SiLUActivation
 
 from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.cache import StateCache
@@ -51,6 +52,7 @@ from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
 from longstraw.ops.blockwise_backward import (
     BLOCK_TOKENS,
+    GatedMlp,
     OutputProjection,
     rows_recomputed_in_blocks,
 )
@@ -90,8 +92,9 @@ def _mlp_skipped_in_layer_recompute() -> Iterator[None]:
 
 
 # The one line of transformers' gated MLPs (llama, qwen3, qwen3_5, qwen3_next's dense MLP):
-# modules whose class forward is exactly this get their down projection's gradient by hand in
-# the blockwise backward (`OutputProjection`), so its recompute skips one of three matmuls.
+# modules whose class forward is exactly this get their gradients by hand in the blockwise
+# backward (`GatedMlp`, or `OutputProjection` for its down projection alone), so its recompute
+# skips the down projection and builds no graph.
 _GATED_MLP_LINE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
 
 
@@ -104,12 +107,23 @@ def _is_gated_mlp_class(cls: type) -> bool:
     return _GATED_MLP_LINE in source and source.count("self.") == 4
 
 
-def _gated_mlp_split(mlp: nn.Module) -> OutputProjection | None:
-    """`OutputProjection` of a gated MLP (down_proj of act(gate_proj(x)) * up_proj(x))."""
+def _is_silu(act: nn.Module) -> bool:
+    return isinstance(act, (nn.SiLU, SiLUActivation))
+
+
+def _gated_mlp_split(mlp: nn.Module) -> GatedMlp | OutputProjection | None:
+    """How the blockwise backward may take a gated MLP (down_proj of act(gate_proj(x)) *
+    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free projections with a SiLU, else its
+    down projection by hand (`OutputProjection`); None for any other MLP."""
     if not (
         isinstance(getattr(mlp, "down_proj", None), nn.Linear) and _is_gated_mlp_class(type(mlp))
     ):
         return None
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if _is_silu(mlp.act_fn) and all(
+        isinstance(p, nn.Linear) and p.bias is None for p in projections
+    ):
+        return GatedMlp(*projections)
 
     def inner(x: torch.Tensor) -> torch.Tensor:
         return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)

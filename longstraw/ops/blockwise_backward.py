@@ -43,6 +43,7 @@ import torch
 
 from longstraw.ops import dispatch
 from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
+from longstraw.ops.denormals import denormals_flushed
 from longstraw.ops.gated_delta_rule import chunked_in_float64
 from longstraw.ops.gated_delta_rule_vjp import (
     KeptChunks,
@@ -70,6 +71,76 @@ class OutputProjection:
     projection: torch.nn.Linear
 
 
+@dataclass(frozen=True)
+class GatedMlp:
+    """`fn(x) = down(silu(gate(x)) * up(x))` with three bias-free linear layers (transformers'
+    gated MLP with a SiLU): the backward recomputes gate and up in one matmul against their
+    stacked weights and takes every gradient by hand, so a block costs five matmuls and no
+    autograd graph (against seven and a graph through `OutputProjection`)."""
+
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, the product in the operands' dtype (a block's gradient, as autograd
+    forms it) and the sum in `total`'s."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b)
+
+
+def _gated_mlp_backward(
+    mlp: GatedMlp, x_BTC: torch.Tensor, grad_out_BTC: torch.Tensor, block_tokens: int, need_x: bool
+) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """(dx [B, T, C] or None, {id(weight): gradient summed in fp32 or wider}) of `mlp` at `x_BTC` against
+    `grad_out_BTC`, `block_tokens` rows at a time.
+
+    Per block of rows x [n, C], with G = [W_gate; W_up] [2I, C]:
+        [gate, up] = x G^T;  h = silu(gate) * up;  dW_down = dy^T h;  dh = dy W_down
+        d_up = dh * silu(gate);  d_gate = dh * up * s (1 + gate (1 - s)),  s = sigmoid(gate)
+        dG = [d_gate, d_up]^T x;  dx = [d_gate, d_up] G
+    """
+    dtype = x_BTC.dtype
+    stacked_IC = torch.cat([mlp.gate.weight, mlp.up.weight]).to(dtype)
+    down_CI = mlp.down.weight.to(dtype)
+    inter = mlp.gate.weight.shape[0]
+    x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
+    dy_NC = grad_out_BTC.reshape(-1, grad_out_BTC.shape[-1])
+    dx_NC = torch.empty_like(x_NC) if need_x else None
+    # Summed over the blocks in fp32 at least (float64 for a float64 model).
+    summed = torch.promote_types(dtype, torch.float32)
+    d_stacked = torch.zeros(stacked_IC.shape, dtype=summed, device=x_NC.device)
+    d_down = torch.zeros(down_CI.shape, dtype=summed, device=x_NC.device)
+    # Rows of a [B, T] batch are independent: blocks of `block_tokens` rows of the flattened
+    # batch are what the other paths' [B, block_tokens] blocks are for B = 1.
+    for start, end in _blocks(x_NC.shape[0], block_tokens):
+        x = x_NC[start:end]
+        dy = dy_NC[start:end]
+        gate_up = x @ stacked_IC.T
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        act = torch.nn.functional.silu(gate)
+        _add_product(d_down, dy.T, act * up)
+        dh = dy @ down_CI
+        d_gate_up = torch.empty_like(gate_up)
+        torch.mul(dh, act, out=d_gate_up[:, inter:])
+        # silu'(gate) = s + gate s (1 - s), formed in place from s = sigmoid(gate).
+        slope = torch.sigmoid(gate)
+        slope.mul_(gate.neg().mul_(slope).add_(gate).add_(1.0))
+        torch.mul(dh, up, out=d_gate_up[:, :inter]).mul_(slope)
+        _add_product(d_stacked, d_gate_up.T, x)
+        if need_x:
+            torch.matmul(d_gate_up, stacked_IC, out=dx_NC[start:end])
+    grads = {
+        id(mlp.gate.weight): d_stacked[:inter],
+        id(mlp.up.weight): d_stacked[inter:],
+        id(mlp.down.weight): d_down,
+    }
+    return (None if dx_NC is None else dx_NC.view_as(x_BTC)), grads
+
+
 def _add_into(dparams: list, i: int, grad: torch.Tensor | None) -> None:
     if grad is not None:
         dparams[i] = grad.float() if dparams[i] is None else dparams[i].add_(grad)
@@ -88,9 +159,14 @@ class _RowsRecomputedInBlocks(torch.autograd.Function):
         (x_BTC,) = ctx.saved_tensors
         need_x = ctx.needs_input_grad[3]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        split: OutputProjection | GatedMlp | None = ctx.split
+        if isinstance(split, GatedMlp):
+            dx_BTC, by_weight = _gated_mlp_backward(
+                split, x_BTC, grad_out_BTC, ctx.block_tokens, need_x
+            )
+            return (None, None, None, dx_BTC, *_params_grads(ctx, by_weight))
         dx_BTC = torch.zeros_like(x_BTC) if need_x else None
         dparams: list[torch.Tensor | None] = [None] * len(ctx.params)
-        split: OutputProjection | None = ctx.split
         by_hand = []
         if split is not None:
             # The projection's own parameters get their gradients by hand, not from autograd.
@@ -127,20 +203,30 @@ class _RowsRecomputedInBlocks(torch.autograd.Function):
         return (None, None, None, dx_BTC, *dparams_typed)
 
 
+def _params_grads(ctx, by_weight: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of `ctx.params` from {id(param): gradient}, in their dtypes (None
+    where not asked for)."""
+    return [
+        by_weight[id(param)].to(param.dtype) if need else None
+        for param, need in zip(ctx.params, ctx.needs_input_grad[4:], strict=True)
+    ]
+
+
 def rows_recomputed_in_blocks(
     fn: Callable[[torch.Tensor], torch.Tensor],
     x_BTC: torch.Tensor,
     params: Sequence[torch.Tensor],
     *,
     block_tokens: int = BLOCK_TOKENS,
-    split: OutputProjection | None = None,
+    split: OutputProjection | GatedMlp | None = None,
 ) -> torch.Tensor:
     """`fn(x_BTC)`, with a backward that recomputes `fn` on `block_tokens` rows at a time.
 
     `fn` must treat every token (dim 1) independently and read no tensor requiring grad other
     than `x_BTC` and `params` (its module's parameters), whose gradients it returns. Without
     grad, this is `fn(x_BTC)`. `split`: `fn` is `split.projection(split.inner(x))`, and the
-    backward recomputes only `split.inner` (the forward still runs `fn`).
+    backward recomputes only `split.inner`; or `fn` is the `GatedMlp` `split`, whose backward
+    is written out (the forward still runs `fn`).
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1; got {block_tokens}")
@@ -175,6 +261,12 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out_BTHV, grad_final_BHKV):
+        # The float64 replay and products meet subnormal decays (`longstraw.ops.denormals`).
+        with denormals_flushed():
+            return _GatedDeltaRuleRecomputedInBlocks._backward(ctx, grad_out_BTHV, grad_final_BHKV)
+
+    @staticmethod
+    def _backward(ctx, grad_out_BTHV, grad_final_BHKV):
         query, key, value, beta, state_BHKV, *gate = ctx.saved_tensors
         needs_gate = ctx.needs_input_grad[9:]
         gate_leaves = [
