@@ -43,7 +43,6 @@ import torch
 
 from longstraw.ops import dispatch
 from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
-from longstraw.ops.denormals import denormals_flushed
 from longstraw.ops.gated_delta_rule import chunked_in_float64
 from longstraw.ops.gated_delta_rule_vjp import (
     KeptChunks,
@@ -261,12 +260,6 @@ class _GatedDeltaRuleRecomputedInBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out_BTHV, grad_final_BHKV):
-        # The float64 replay and products meet subnormal decays (`longstraw.ops.denormals`).
-        with denormals_flushed():
-            return _GatedDeltaRuleRecomputedInBlocks._backward(ctx, grad_out_BTHV, grad_final_BHKV)
-
-    @staticmethod
-    def _backward(ctx, grad_out_BTHV, grad_final_BHKV):
         query, key, value, beta, state_BHKV, *gate = ctx.saved_tensors
         needs_gate = ctx.needs_input_grad[9:]
         gate_leaves = [

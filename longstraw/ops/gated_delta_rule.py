@@ -27,6 +27,8 @@ Legend (transformers' layouts):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -35,10 +37,32 @@ from longstraw.ops.decay_gate import DecayGate, fp32_log_decays, gate_parts
 
 # transformers' l2norm (aligned with fla): x * rsqrt(sum(x^2) + eps), eps = 1e-6.
 _L2NORM_EPS = 1e-6
+# Decays and UT-transform entries below NEGLIGIBLE are zero. Log-decays near -30 per token
+# (Gated DeltaNet's random initialisation, and some trained heads) make a chunk's decays and the
+# products built on them reach float64's subnormals (below 2^-1022), and x86 takes a microcode
+# assist on every operation that touches one: one 256-token block of the float64 delta-rule
+# backward (replay and vector-Jacobian product, `small` hybrid) took 47 ms with them and 31 ms
+# without on one thread, 28 and 17 ms on two. Flushing subnormals in the CPU
+# (`torch.set_flush_denormal`) reaches only the calling thread, not OpenMP's workers; zeroing
+# at the source reaches every thread. Products of two kept values stay above 2^-1000, normal;
+# what still turns subnormal inside the triangular solve is zeroed after it. Every term dropped
+# is below 2^-500 of the O(1) terms it is summed with, 2^-447 under float64's resolution, and
+# the kernels' results leave rounded to fp32 (2^-149 at the smallest): no result a test or a
+# user can see changes, and where no decay is that small nothing is zeroed. In fp32 every value
+# this small is already zero.
+NEGLIGIBLE = 2.0**-500
+_LOG_NEGLIGIBLE = math.log(NEGLIGIBLE)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2NORM_EPS)
+
+
+def _negligible_zeroed(x: torch.Tensor) -> torch.Tensor:
+    """`x` with every entry below `NEGLIGIBLE` in magnitude set to zero (a new tensor;
+    differentiable, zero gradient where zeroed). In fp32 the threshold rounds to 0: nothing is
+    zeroed."""
+    return torch.where(x.abs() < NEGLIGIBLE, 0.0, x)
 
 
 def _check_inputs(query, key, value, g, beta, initial_state, kwargs) -> None:
@@ -108,7 +132,8 @@ def _segment_decays(g_XC: torch.Tensor) -> torch.Tensor:
     seg_XIC = g_XC.unsqueeze(-2).masked_fill(before_start_CC, 0.0).cumsum(dim=-1).transpose(-1, -2)
     seg_XIS = torch.cat([seg_XIC, torch.zeros_like(g_XC).unsqueeze(-1)], dim=-1)
     beyond_CS = torch.ones(C, C + 1, dtype=torch.bool, device=g_XC.device).triu(2)
-    return seg_XIS.masked_fill(beyond_CS, float("-inf")).exp()
+    negligible = seg_XIS < _LOG_NEGLIGIBLE
+    return seg_XIS.masked_fill(beyond_CS | negligible, float("-inf")).exp()
 
 
 class _ChunkedWithFloat64Backward(torch.autograd.Function):
@@ -305,11 +330,14 @@ def _chunked(query, key, value, g, beta, chunk_size, initial_state, use_qk_l2nor
     # vs 0.10-0.15 s at T=4096, Hv=4).
     ut_BHNCC = (k_beta_BHNCK @ k_BHNCK.transpose(-1, -2)) * decay_BHNCC
     eye_CC = torch.eye(C, dtype=dtype, device=v.device)
-    inv_BHNCC = torch.linalg.solve_triangular(
-        ut_BHNCC, eye_CC.expand_as(ut_BHNCC), upper=False, unitriangular=True
+    # Negligible entries of M^-1 and w are zeroed (`_negligible_zeroed`).
+    inv_BHNCC = _negligible_zeroed(
+        torch.linalg.solve_triangular(
+            ut_BHNCC, eye_CC.expand_as(ut_BHNCC), upper=False, unitriangular=True
+        )
     )
     u_BHNCV = inv_BHNCC @ (v_BHNCV * beta_BHNC1)
-    w_BHNCK = inv_BHNCC @ (k_beta_BHNCK * from_start_BHNC.unsqueeze(-1))
+    w_BHNCK = _negligible_zeroed(inv_BHNCC @ (k_beta_BHNCK * from_start_BHNC.unsqueeze(-1)))
     # Keys weighted by the decay from each token to the chunk end, for the state update.
     k_to_end_BHNCK = k_BHNCK * to_end_BHNC.unsqueeze(-1)
     chunk_decay_BHN11 = from_start_BHNC[..., -1, None, None]

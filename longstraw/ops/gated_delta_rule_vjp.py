@@ -35,7 +35,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from longstraw.ops.gated_delta_rule import _check_inputs, _segment_decays, _to_heads_first
+from longstraw.ops.gated_delta_rule import (
+    _check_inputs,
+    _negligible_zeroed,
+    _segment_decays,
+    _to_heads_first,
+)
 
 
 class KeptChunks(NamedTuple):
@@ -82,11 +87,13 @@ def _kept_chunks(k_NCK, v_NCV, beta_NC1, seg, initial_state) -> tuple[KeptChunks
     kk_NCC = kb_NCK @ k_NCK.transpose(-1, -2)
     ut_NCC = kk_NCC * decay_NCC
     eye_CC = torch.eye(C, dtype=torch.float64, device=k_NCK.device)
-    inv_NCC = torch.linalg.solve_triangular(
-        ut_NCC, eye_CC.expand_as(ut_NCC), upper=False, unitriangular=True
+    inv_NCC = _negligible_zeroed(
+        torch.linalg.solve_triangular(
+            ut_NCC, eye_CC.expand_as(ut_NCC), upper=False, unitriangular=True
+        )
     )
     u_NCV = inv_NCC @ (v_NCV * beta_NC1)
-    w_NCK = inv_NCC @ (kb_NCK * from_start_NC.unsqueeze(-1))
+    w_NCK = _negligible_zeroed(inv_NCC @ (kb_NCK * from_start_NC.unsqueeze(-1)))
     k_to_end_NCK = k_NCK * to_end_NC.unsqueeze(-1)
     chunk_decay_N11 = from_start_NC[..., -1, None, None]
     state = initial_state.detach().to(torch.float64)
