@@ -94,8 +94,8 @@ def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 def _gated_mlp_backward(
     mlp: GatedMlp, x_BTC: torch.Tensor, grad_out_BTC: torch.Tensor, block_tokens: int, need_x: bool
 ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-    """(dx [B, T, C] or None, {id(weight): gradient summed in fp32 or wider}) of `mlp` at `x_BTC` against
-    `grad_out_BTC`, `block_tokens` rows at a time.
+    """(dx [B, T, C] or None, {id(weight): its gradient, summed in fp32 or wider}) of `mlp` at
+    `x_BTC` against `grad_out_BTC`, `block_tokens` rows at a time.
 
     Per block of rows x [n, C], with G = [W_gate; W_up] [2I, C]:
         [gate, up] = x G^T;  h = silu(gate) * up;  dW_down = dy^T h;  dh = dy W_down
