@@ -14,6 +14,21 @@ from longstraw.schemas.run import RunConfig
 MACHINE_FIELDS = {"seconds", "step_seconds", "peak_rss_bytes"}
 
 
+def small_haystack_task(**overrides) -> dict:
+    """The training tests' haystack task: 64 prompt tokens, two-token keys, one-digit values,
+    no header; `overrides` replace fields."""
+    return {
+        "num_prompt_tokens": 64,
+        "key_length": 2,
+        "value_length": 1,
+        "value_alphabet": "0123456789",
+        "num_distinct_distractors": 8,
+        "distractor_fraction": 1.0,
+        "include_header": False,
+        **overrides,
+    }
+
+
 def run_config(
     root: Path,
     checkpoint: Path,
@@ -44,16 +59,7 @@ def run_config(
                 "type": "haystack",
                 "rewards": ["haystack_shaped"],
                 "num_prompts": 8,
-                "task": {
-                    "num_prompt_tokens": 64,
-                    "key_length": 2,
-                    "value_length": 1,
-                    "value_alphabet": "0123456789",
-                    "num_distinct_distractors": 8,
-                    "distractor_fraction": 1.0,
-                    "include_header": False,
-                    **(task or {}),
-                },
+                "task": small_haystack_task(**(task or {})),
                 **(data or {}),
             },
             "train": {

@@ -23,7 +23,7 @@ from longstraw.schemas.refs import BackwardResult
 from longstraw.storage.checkpoints import latest_checkpoint, run_dir
 from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
-from tests.training.helpers import run_config
+from tests.training.helpers import run_config, small_haystack_task
 from tests.training.test_world_size import (
     ADAM_EPSILON,
     _assert_same_checkpoint,
@@ -46,16 +46,7 @@ HELD_OUT = {
     "type": "haystack",
     "rewards": ["tests.training.helpers:checksum_reward"],
     "num_prompts": 2,
-    "task": {
-        "num_prompt_tokens": 64,
-        "key_length": 2,
-        "value_length": 1,
-        "value_alphabet": "0123456789",
-        "num_distinct_distractors": 8,
-        "distractor_fraction": 1.0,
-        "include_header": False,
-        "seed": 1000,
-    },
+    "task": small_haystack_task(seed=1000),
 }
 """Held-out prompts the one-group case evaluates after its step (on replica 0's ranks)."""
 

@@ -27,7 +27,7 @@ from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
 from longstraw.training.preflight import preflight
 from longstraw.training.step import IN_PROCESS
-from tests.training.helpers import run_config
+from tests.training.helpers import run_config, small_haystack_task
 
 # A reward that differs between responses: equal numbers then mean equal completions.
 REWARD = "tests.training.helpers:checksum_reward"
@@ -35,16 +35,8 @@ HELD_OUT = {
     "type": "haystack",
     "rewards": [REWARD],
     "num_prompts": 3,
-    "task": {
-        "num_prompt_tokens": 45,
-        "key_length": 2,
-        "value_length": 1,
-        "value_alphabet": "0123456789",
-        "num_distinct_distractors": 8,
-        "distractor_fraction": 1.0,
-        "include_header": False,
-        "seed": 1000,  # not the training prompts (seeds 42...)
-    },
+    # seed 1000: not the training prompts (seeds 42...)
+    "task": small_haystack_task(num_prompt_tokens=45, seed=1000),
 }
 
 
