@@ -60,8 +60,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def _negligible_zeroed(x: torch.Tensor) -> torch.Tensor:
     """`x` with every entry below `NEGLIGIBLE` in magnitude set to zero (a new tensor;
-    differentiable, zero gradient where zeroed). In fp32 the threshold rounds to 0: nothing is
-    zeroed."""
+    differentiable, zero gradient where zeroed). fp32 has no nonzero value that small: an fp32
+    tensor comes back unchanged."""
     return torch.where(x.abs() < NEGLIGIBLE, 0.0, x)
 
 
@@ -113,7 +113,8 @@ def _to_heads_first(query, key, value, g, beta, use_qk_l2norm_in_kernel, dtype):
 
 def _segment_decays(g_XC: torch.Tensor) -> torch.Tensor:
     """[..., C] log-decays of one chunk -> [..., C, C + 1] decays of every segment in it:
-    [i, c] = exp(g_c + ... + g_i) for c <= i, 1 for c = i + 1 (the empty segment), 0 above.
+    [i, c] = exp(g_c + ... + g_i) for c <= i (0 where that is below `NEGLIGIBLE`), 1 for
+    c = i + 1 (the empty segment), 0 above.
 
     Each entry is its own segment's sum: a cumsum from every start c, not the difference
     gcum_i - gcum_j of one cumsum (transformers' kernel). That difference is what lost the decay
