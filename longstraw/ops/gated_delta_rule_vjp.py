@@ -37,9 +37,10 @@ import torch.nn.functional as F
 
 from longstraw.ops.gated_delta_rule import (
     _check_inputs,
-    _negligible_zeroed,
+    _chunk_scan,
     _segment_decays,
     _to_heads_first,
+    _ut_transform,
 )
 
 
@@ -78,37 +79,16 @@ def _heads_first_padded(leaves, use_qk_l2norm_in_kernel, chunk_size):
 
 def _kept_chunks(k_NCK, v_NCV, beta_NC1, seg, initial_state) -> tuple[KeptChunks, torch.Tensor]:
     """The UT transform and the scan of `longstraw.ops.gated_delta_rule._chunked` (the same
-    operations in the same order, so the same bits) -> (the pieces, the final state)."""
-    C = k_NCK.shape[-2]
-    decay_NCC = seg[..., 1:]
+    functions, so the same bits) -> (the pieces, the final state)."""
     from_start_NC = seg[..., 0]
-    to_end_NC = seg[..., -1, 1:]
-    kb_NCK = k_NCK * beta_NC1
-    kk_NCC = kb_NCK @ k_NCK.transpose(-1, -2)
-    ut_NCC = kk_NCC * decay_NCC
-    eye_CC = torch.eye(C, dtype=torch.float64, device=k_NCK.device)
-    inv_NCC = _negligible_zeroed(
-        torch.linalg.solve_triangular(
-            ut_NCC, eye_CC.expand_as(ut_NCC), upper=False, unitriangular=True
-        )
+    kk_NCC, inv_NCC, u_NCV, w_NCK = _ut_transform(
+        k_NCK, v_NCV, beta_NC1, seg[..., 1:], from_start_NC
     )
-    u_NCV = inv_NCC @ (v_NCV * beta_NC1)
-    w_NCK = _negligible_zeroed(inv_NCC @ (kb_NCK * from_start_NC.unsqueeze(-1)))
-    k_to_end_NCK = k_NCK * to_end_NC.unsqueeze(-1)
-    chunk_decay_N11 = from_start_NC[..., -1, None, None]
     state = initial_state.detach().to(torch.float64)
-    starts, v_new = [], []
-    u_chunks, w_chunks = u_NCV.unbind(2), w_NCK.unbind(2)
-    decay_chunks, k_to_end_chunks = chunk_decay_N11.unbind(2), k_to_end_NCK.unbind(2)
-    for n in range(k_NCK.shape[2]):
-        starts.append(state)
-        v_new_n = u_chunks[n] - w_chunks[n] @ state
-        v_new.append(v_new_n)
-        state = state * decay_chunks[n] + k_to_end_chunks[n].transpose(-1, -2) @ v_new_n
-    kept = KeptChunks(
-        kk_NCC, inv_NCC, u_NCV, w_NCK, torch.stack(starts, dim=2), torch.stack(v_new, dim=2)
+    starts_NKV, v_new_NCV, state = _chunk_scan(
+        k_NCK, u_NCV, w_NCK, from_start_NC, seg[..., -1, 1:], state
     )
-    return kept, state
+    return KeptChunks(kk_NCC, inv_NCC, u_NCV, w_NCK, starts_NKV, v_new_NCV), state
 
 
 def chunked_end_state_in_float64(
