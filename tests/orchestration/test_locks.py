@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
 import subprocess
@@ -68,7 +69,12 @@ def test_racing_acquirers_never_read_a_half_written_lock(manager):
         except Exception as error:  # the stock manager raised "EOF while parsing" here
             errors.append(error)
 
-    threads = [threading.Thread(target=contend, args=(f"h{i}",)) for i in range(8)]
+    # Each thread in the fixture's settings (a new thread starts from the process's own, whose
+    # PREFECT_HOME other tests share): the winner's lock stays in this test's folder.
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(contend, f"h{i}"))
+        for i in range(8)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

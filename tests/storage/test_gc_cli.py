@@ -30,7 +30,7 @@ def _populate(root_uri):
     return refs, crashed
 
 
-def test_gc_dry_run_lists_and_gc_removes(root_uri):
+def test_gc_dry_run_lists_and_gc_removes(root_uri, tmp_path):
     refs, crashed = _populate(root_uri)
     before = list_states(root_uri)
     assert [(d.kind, d.policy_version, d.prompt_digest, d.committed) for d in before] == [
@@ -43,8 +43,11 @@ def test_gc_dry_run_lists_and_gc_removes(root_uri):
     assert all(d.nbytes > 0 for d in before)
 
     result = CliRunner().invoke(
-        state_app, ["gc", root_uri, "--keep-versions", "2", "--grace-seconds", "0", "--dry-run"]
-    )
+        state_app,
+        # Its own (empty) lock folder: the default is the PREFECT_HOME other tests share.
+        ["gc", root_uri, "--keep-versions", "2", "--grace-seconds", "0", "--dry-run",
+         "--locks-dir", str(tmp_path / "locks")],
+    )  # fmt: skip
     assert result.exit_code == 0 and "would remove (3)" in result.output, result.output
     planned = collect_garbage(root_uri, keep_versions=2, grace_seconds=0, dry_run=True)
     assert [a.uri[a.uri.index("/runs/") :] for a in planned] == [
