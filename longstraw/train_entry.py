@@ -199,13 +199,17 @@ class _Signals:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
+        self.note(signum)
+        raise KeyboardInterrupt
+
+    def note(self, signum: int) -> None:
+        """Record a signal this run was stopped by; the first one arms the watchdog."""
         first = self.received is None
         self.received = signum
         if first:
             timer = threading.Timer(FORCE_EXIT_AFTER_S, self._force_exit)
             timer.daemon = True
             timer.start()
-        raise KeyboardInterrupt
 
     def _force_exit(self) -> None:
         from longstraw.training.run_lease import abandon_held_leases
@@ -231,6 +235,27 @@ class _Signals:
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def replaced_termination(exc: BaseException) -> int | None:
+    """The signal of a Prefect `TerminationSignal` that `exc` replaced while it unwound, if any.
+
+    Inside a flow run, Prefect's own SIGTERM handler stands in for `_Signals`: it raises
+    `TerminationSignal`, and Prefect hands the signal back to the previous handler only when that
+    exception reaches the flow's edge. An error raised while it unwinds (the task engine's "Task
+    run is not set") replaces it there, so the signal is found only in the error's context."""
+    if "prefect" not in sys.modules:
+        return None
+    from prefect.exceptions import TerminationSignal
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TerminationSignal):
+            return current.signal
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def resume_command(
@@ -292,6 +317,8 @@ def run_training(
             signum = signals.received or signal.SIGINT
             raise _interrupted(config, signum, config_path, run_id, root) from None
         except Exception as exc:
+            if signals.received is None and (signum := replaced_termination(exc)) is not None:
+                signals.note(signum)
             if signals.received is not None:
                 # The interrupt met code that failed while it unwound: Prefect's task engine,
                 # stopped between creating a task run and recording it, raises "Task run is not
