@@ -248,13 +248,11 @@ def replaced_termination(exc: BaseException) -> int | None:
         return None
     from prefect.exceptions import TerminationSignal
 
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, TerminationSignal):
-            return current.signal
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
+    from longstraw.errors import exception_chain
+
+    for error in exception_chain(exc):
+        if isinstance(error, TerminationSignal):
+            return error.signal
     return None
 
 
@@ -419,10 +417,15 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 if not debug:
                     import logging
 
-                    from longstraw.orchestration.console import hide_user_errors_on_console
+                    from longstraw.orchestration.console import (
+                        hide_replaced_interrupts_on_console,
+                        hide_user_errors_on_console,
+                    )
 
-                    # A user error is printed once, as one line, when it reaches the CLI.
+                    # A user error is printed once, as one line, when it reaches the CLI; so is
+                    # an interrupt, even when an error replaced it on its way out.
                     hide_user_errors_on_console()
+                    hide_replaced_interrupts_on_console()
                     # Prefect's log shipping then keeps quiet when the API fails (a full volume
                     # under the embedded server's database): the stdlib's production setting.
                     logging.raiseExceptions = False

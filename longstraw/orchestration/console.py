@@ -12,13 +12,18 @@ default keeps it beside the run's storage, `./.longstraw/prefect`): every result
 log batch and every database write of the server then fails with a traceback, thousands of
 lines before the run's one. `OncePerVolumeFault` lets the first record of each such fault through
 and drops its repeats (on the server, without the traceback: `flows.embedded_server`).
+
+A SIGTERM that lands in Prefect's task engine before its task run is recorded comes out of the
+engine's crash handler as "Task run is not set", and each flow run around it logs that with its
+traceback; `longstraw train` ends such a run as the interrupt it was, with its one resume line.
+`HideReplacedInterrupts` drops those records from the console (the server keeps them).
 """
 
 from __future__ import annotations
 
 import logging
 
-from longstraw.errors import UserError
+from longstraw.errors import UserError, exception_chain
 
 
 def _user_error_names() -> set[str]:
@@ -31,13 +36,7 @@ def _user_error_names() -> set[str]:
 
 
 def _chain_has_user_error(exc: BaseException | None) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, UserError):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(error, UserError) for error in exception_chain(exc))
 
 
 class HideUserErrors(logging.Filter):
@@ -70,6 +69,29 @@ def hide_user_errors_on_console() -> HideUserErrors:
     return quiet
 
 
+class HideReplacedInterrupts(logging.Filter):
+    """Drop the records whose exception replaced a Prefect `TerminationSignal` (or is one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefect.exceptions import TerminationSignal
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not any(isinstance(error, TerminationSignal) for error in exception_chain(exc))
+
+
+def hide_replaced_interrupts_on_console() -> HideReplacedInterrupts:
+    """Add the filter to every Prefect console handler (idempotent); returns it."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    quiet = HideReplacedInterrupts()
+    for handler in all_handlers():
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, HideReplacedInterrupts) for f in handler.filters
+        ):
+            handler.addFilter(quiet)
+    return quiet
+
+
 # What a full, read-only or failing volume looks like in Prefect's records (results, SQLite).
 VOLUME_FAULT_TEXTS = (
     "No space left on device",
@@ -82,13 +104,8 @@ VOLUME_FAULT_TEXTS = (
 
 def volume_fault_text(record: logging.LogRecord) -> str | None:
     """The VOLUME_FAULT_TEXTS phrase in the record's message or exception chain, if any."""
-    texts = [record.getMessage()]
     exc = record.exc_info[1] if record.exc_info else None
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        texts.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
+    texts = [record.getMessage(), *(str(error) for error in exception_chain(exc))]
     for phrase in VOLUME_FAULT_TEXTS:
         if any(phrase in text for text in texts):
             return phrase

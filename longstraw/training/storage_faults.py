@@ -24,12 +24,12 @@ import functools
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from longstraw.errors import UserError
+from longstraw.errors import UserError, exception_chain
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.errors import ChunkChecksumError, StateIntegrityError
 
@@ -98,7 +98,7 @@ def storage_fault(
     exc: BaseException, config: RunConfig, *, doing: str | None = None
 ) -> StorageFault | None:
     """The StorageFault that `exc` (or an exception in its chain) is, or None."""
-    chain = list(_chain(exc))
+    chain = list(exception_chain(exc))
     for error in chain:
         if isinstance(error, StorageFault):
             return error
@@ -120,14 +120,6 @@ def storage_fault(
         if code in _FULL | _READ_ONLY | _DENIED | _IO:
             return _os_fault(code, None, config, doing)
     return None
-
-
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _os_fault(

@@ -136,6 +136,29 @@ def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
     assert "took too long" not in output, output[-3000:]
 
 
+def test_sigterm_while_a_task_run_is_created_ends_as_the_interrupt(
+    tmp_path, runs_root, fresh_prefect_home, monkeypatch
+):
+    """The signal lands inside Prefect's task engine before its task run is recorded (the
+    process signals itself there): the engine's crash handler raises "Task run is not set" in
+    place of the signal, and the run still ends with 128 + SIGTERM and its resume line."""
+    run_dir = runs_root / "runs" / "task-start"
+    monkeypatch.setenv("LONGSTRAW_TEST_SIGNAL_AFTER", str(run_dir / "checkpoints" / "v000001"))
+    rc, output, took, alive, config_path, run = _signalled_train(
+        tmp_path,
+        runs_root,
+        fresh_prefect_home,
+        "task-start",
+        lambda process: None,  # the process signals itself
+        settle_s=1.0,
+        cli="task_start_signal_cli",
+    )
+    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    assert f"longstraw train --config {config_path} --resume" in resume_line
+    assert "Task run is not set" not in output, output[-3000:]
+    assert len(output.splitlines()) <= MAX_LINES, output[-3000:]
+
+
 def test_sigterm_to_the_process_group_stops_train_as_promptly(
     tmp_path, runs_root, fresh_prefect_home, in_process_digest
 ):
