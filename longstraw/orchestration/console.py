@@ -13,10 +13,12 @@ log batch and every database write of the server then fails with a traceback, th
 lines before the run's one. `OncePerVolumeFault` lets the first record of each such fault through
 and drops its repeats (on the server, without the traceback: `flows.embedded_server`).
 
-A SIGTERM that lands in Prefect's task engine before its task run is recorded comes out of the
-engine's crash handler as "Task run is not set", and each flow run around it logs that with its
-traceback; `longstraw train` ends such a run as the interrupt it was, with its one resume line.
-`HideReplacedInterrupts` drops those records from the console (the server keeps them).
+A signal that lands in Prefect's task engine before its task run is recorded comes out of the
+engine's crash handler as "Task run is not set" (in place of Prefect's `TerminationSignal` for a
+SIGTERM, of the KeyboardInterrupt `longstraw train` raises for a SIGINT), and each flow run
+around it logs that with its traceback; `longstraw train` ends such a run as the interrupt it
+was, with its one resume line. `HideReplacedInterrupts` drops those records from the console
+(the server keeps them).
 """
 
 from __future__ import annotations
@@ -70,13 +72,18 @@ def hide_user_errors_on_console() -> HideUserErrors:
 
 
 class HideReplacedInterrupts(logging.Filter):
-    """Drop the records whose exception replaced a Prefect `TerminationSignal` (or is one)."""
+    """Drop the records whose exception chain holds an interrupt: Prefect's `TerminationSignal`
+    or a KeyboardInterrupt. Prefect logs an interrupt that reaches it as a crash, one line with
+    no exception attached, so only an error that replaced one carries it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from prefect.exceptions import TerminationSignal
 
         exc = record.exc_info[1] if record.exc_info else None
-        return not any(isinstance(error, TerminationSignal) for error in exception_chain(exc))
+        return not any(
+            isinstance(error, TerminationSignal | KeyboardInterrupt)
+            for error in exception_chain(exc)
+        )
 
 
 def hide_replaced_interrupts_on_console() -> HideReplacedInterrupts:

@@ -87,10 +87,10 @@ def _signalled_train(
     return process.returncode, output, took, alive, config_path, first_checkpoint.parent.parent
 
 
-def _stopped_by_sigterm(rc, output, took, alive, run) -> str:
+def _stopped_by_signal(rc, output, took, alive, run, signum=signal.SIGTERM) -> str:
     """Assert what every signalled run ends with; its one resume line."""
     assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s\n{output[-3000:]}"
-    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert rc == 128 + signum, output[-3000:]
     assert not alive, f"left behind: {[c.cmdline() for c in alive]}"
     assert not (run / "RUN.lock").exists(), "the lease was released"
     resume_lines = [line for line in output.splitlines() if "--resume" in line]
@@ -110,7 +110,7 @@ def test_sigterm_stops_train_leaves_no_process_and_says_how_to_resume(
         lambda process: process.send_signal(signal.SIGTERM),
     )
     print(f"SIGTERM to exit: {took:.1f} s")
-    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    resume_line = _stopped_by_signal(rc, output, took, alive, run)
     assert f"longstraw train --config {config_path} --resume" in resume_line
 
 
@@ -130,30 +130,35 @@ def test_a_cleanup_that_hangs_is_cut_short_and_still_says_how_to_resume(
         cli="hanging_cleanup_cli",
     )
     print(f"SIGTERM to the forced exit: {took:.1f} s")
-    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    resume_line = _stopped_by_signal(rc, output, took, alive, run)
     assert "interrupted by SIGTERM" in resume_line and "cut short" in resume_line
     assert f"longstraw train --config {config_path} --resume" in resume_line
     assert "took too long" not in output, output[-3000:]
 
 
-def test_sigterm_while_a_task_run_is_created_ends_as_the_interrupt(
-    tmp_path, runs_root, fresh_prefect_home, monkeypatch
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_while_a_task_run_is_created_ends_as_the_interrupt(
+    signum, tmp_path, runs_root, fresh_prefect_home, monkeypatch
 ):
     """The signal lands inside Prefect's task engine before its task run is recorded (the
     process signals itself there): the engine's crash handler raises "Task run is not set" in
-    place of the signal, and the run still ends with 128 + SIGTERM and its resume line."""
-    run_dir = runs_root / "runs" / "task-start"
-    monkeypatch.setenv("LONGSTRAW_TEST_SIGNAL_AFTER", str(run_dir / "checkpoints" / "v000001"))
+    place of the interrupt, and the run still ends with 128 + signum, its resume line and none
+    of the flow runs' tracebacks of that error."""
+    run_id = f"task-start-{signum.name.lower()}"
+    first_checkpoint = runs_root / "runs" / run_id / "checkpoints" / "v000001"
+    monkeypatch.setenv("LONGSTRAW_TEST_SIGNAL", signum.name)
+    monkeypatch.setenv("LONGSTRAW_TEST_SIGNAL_AFTER", str(first_checkpoint))
     rc, output, took, alive, config_path, run = _signalled_train(
         tmp_path,
         runs_root,
         fresh_prefect_home,
-        "task-start",
+        run_id,
         lambda process: None,  # the process signals itself
         settle_s=1.0,
         cli="task_start_signal_cli",
     )
-    resume_line = _stopped_by_sigterm(rc, output, took, alive, run)
+    resume_line = _stopped_by_signal(rc, output, took, alive, run, signum)
+    assert f"interrupted by {signum.name}" in resume_line
     assert f"longstraw train --config {config_path} --resume" in resume_line
     assert "Task run is not set" not in output, output[-3000:]
     assert len(output.splitlines()) <= MAX_LINES, output[-3000:]
@@ -175,7 +180,7 @@ def test_sigterm_to_the_process_group_stops_train_as_promptly(
         settle_s=1.0,  # the server's parent watch polls every second
     )
     print(f"group SIGTERM to exit: {took:.1f} s")
-    _stopped_by_sigterm(rc, output, took, alive, run)
+    _stopped_by_signal(rc, output, took, alive, run)
     # The header, Prefect's "Crash detected" line of each run in flight, the bars, the line.
     assert len(output.splitlines()) <= MAX_LINES, output[-3000:]
 

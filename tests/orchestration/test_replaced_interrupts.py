@@ -1,5 +1,6 @@
 """The console filter that keeps a replaced interrupt's tracebacks off `longstraw train`'s
-terminal drops exactly the records whose exception chain holds Prefect's TerminationSignal."""
+terminal drops exactly the records whose exception chain holds an interrupt (Prefect's
+TerminationSignal, a KeyboardInterrupt)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ def _raised(make) -> BaseException:
     raise AssertionError("nothing was raised")
 
 
-def _replaced_by_an_error():
+def _replaced_by_an_error(interrupt=TerminationSignal(15)):
     try:
-        raise TerminationSignal(15)
-    except TerminationSignal:
+        raise interrupt
+    except BaseException:
         raise ValueError("Task run is not set")  # noqa: B904 (as Prefect's task engine does)
 
 
@@ -42,6 +43,7 @@ def test_records_of_a_replaced_interrupt_are_dropped_and_others_kept():
     quiet = HideReplacedInterrupts()
     assert not quiet.filter(_record(_raised(_replaced_by_an_error)))
     assert not quiet.filter(_record(_raised(_wrapped_again)))
+    assert not quiet.filter(_record(_raised(lambda: _replaced_by_an_error(KeyboardInterrupt()))))
     assert quiet.filter(_record(_raised(lambda: sys.exit("not a signal"))))
     assert quiet.filter(_record(_raised(lambda: {}["a bug"])))
     assert quiet.filter(_record(None))
