@@ -24,8 +24,11 @@ was, with its one resume line. `HideReplacedInterrupts` drops those records from
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 from longstraw.errors import UserError, exception_chain
+
+_Filter = TypeVar("_Filter", bound=logging.Filter)
 
 
 def _user_error_names() -> set[str]:
@@ -62,11 +65,8 @@ def hide_user_errors_on_console() -> HideUserErrors:
     """Add the filter to every Prefect console handler (idempotent); returns it."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    quiet = HideUserErrors()
     consoles = [h for h in all_handlers() if isinstance(h, PrefectConsoleHandler)]
-    for handler in consoles:
-        if not any(isinstance(f, HideUserErrors) for f in handler.filters):
-            handler.addFilter(quiet)
+    quiet = add_once(consoles, HideUserErrors())
     quiet_volume_faults(consoles)
     return quiet
 
@@ -90,13 +90,8 @@ def hide_replaced_interrupts_on_console() -> HideReplacedInterrupts:
     """Add the filter to every Prefect console handler (idempotent); returns it."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    quiet = HideReplacedInterrupts()
-    for handler in all_handlers():
-        if isinstance(handler, PrefectConsoleHandler) and not any(
-            isinstance(f, HideReplacedInterrupts) for f in handler.filters
-        ):
-            handler.addFilter(quiet)
-    return quiet
+    consoles = [h for h in all_handlers() if isinstance(h, PrefectConsoleHandler)]
+    return add_once(consoles, HideReplacedInterrupts())
 
 
 # What a full, read-only or failing volume looks like in Prefect's records (results, SQLite).
@@ -143,10 +138,15 @@ class OncePerVolumeFault(logging.Filter):
 
 def quiet_volume_faults(handlers, short: bool = False) -> None:
     """Add one OncePerVolumeFault to each handler (idempotent)."""
-    quiet = OncePerVolumeFault(short)
+    add_once(handlers, OncePerVolumeFault(short))
+
+
+def add_once(handlers, quiet: _Filter) -> _Filter:
+    """Add `quiet` to each handler that has no filter of its class yet; returns it."""
     for handler in handlers:
-        if not any(isinstance(f, OncePerVolumeFault) for f in handler.filters):
+        if not any(isinstance(f, type(quiet)) for f in handler.filters):
             handler.addFilter(quiet)
+    return quiet
 
 
 def all_handlers() -> list[logging.Handler]:
