@@ -91,8 +91,13 @@ def create_attempt_arrays(zarr_uri: str, layout: StateLayout, config: StorageCon
             dimension_names=["layer", "token" if a.kind == "token" else "shard_boundary"]
             + [f"dim{i}" for i in range(2, len(a.shape))],
         )
+    consolidated(store)
+
+
+def consolidated(store) -> None:
+    """Consolidate the store's metadata (zarr's consolidated zarr.json): one read lists every
+    array (128 arrays on S3: 1.3 s -> 0.04 s)."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
-        # Consolidated metadata is a zarr-python extension of v3 (it warns so); we rely on it
-        # because one read then lists every array (128 arrays on S3: 1.3 s -> 0.04 s).
+        # Consolidated metadata is a zarr-python extension of v3 (it warns so).
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(store)

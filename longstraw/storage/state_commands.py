@@ -21,6 +21,7 @@ from longstraw.storage.gc import (
     collect_stale_locks,
     default_locks_dir,
     list_states,
+    list_sweeps,
 )
 from longstraw.storage.reader import read_manifest, verify_state
 
@@ -43,7 +44,8 @@ def _size(n: int) -> str:
 def ls_cmd(
     root: str = typer.Argument(..., help="Storage root (path, file:// or s3:// URI)."),
 ) -> None:
-    """Committed states and uncommitted attempts under ROOT, with sizes."""
+    """Committed states and uncommitted attempts under ROOT, with sizes (and the sweep
+    checkpoints of backwards in flight or killed)."""
     table = Table(title=f"prompt states under {root}")
     for col in ("state", "status", "tokens", "shards", "attempts", "size"):
         table.add_column(col, justify="right" if col in ("tokens", "shards", "size") else "left")
@@ -62,6 +64,24 @@ def ls_cmd(
             "committed" if d.committed else "[yellow]uncommitted[/yellow]",
             str(d.num_tokens or "-"),
             str(len(d.shard_manifests)),
+            attempts or "-",
+            _size(d.nbytes),
+        )
+    print_table(console, table)
+    sweeps = list_sweeps(root)
+    if not sweeps:
+        return
+    table = Table(title=f"sweep checkpoints under {root}")
+    for col in ("backward", "checkpoints (shards swept)", "attempts", "size"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for d in sweeps:
+        attempts = ", ".join(
+            f"{a.attempt_id[:8]}{'' if a.committed else ' (uncommitted)'} {_size(a.nbytes)}"
+            for a in d.attempts.values()
+        )
+        table.add_row(
+            f"{d.run_id} v{d.policy_version} {d.group}",
+            ", ".join(map(str, d.committed)) or "-",
             attempts or "-",
             _size(d.nbytes),
         )
@@ -161,8 +181,9 @@ def gc_cmd(
         "./.longstraw/prefect/longstraw-locks).",
     ),
 ) -> None:
-    """Remove uncommitted attempts and half-written checkpoints (`checkpoints/v*.tmp-*`) past the
-    grace period, states of old policy versions, and locks whose holder is gone."""
+    """Remove uncommitted attempts (of prompt states and of sweep checkpoints) and half-written
+    checkpoints (`checkpoints/v*.tmp-*`) past the grace period, states of old policy versions,
+    and locks whose holder is gone."""
     actions = collect_garbage(
         root, keep_versions=keep_versions, grace_seconds=grace_seconds, dry_run=dry_run
     )
