@@ -23,6 +23,9 @@ from longstraw.schemas.run import EngineConfig
 
 SHARD_TOKENS = 23
 PROMPT = 100
+PIECE = 37
+"""Elements a checkpoint reads and writes at a time, as storage's chunks do: pieces that start
+and end inside a position's row (and, tiered, across the tier's chunks)."""
 
 
 class Interrupted(Exception):
@@ -51,7 +54,8 @@ class MemoryCheckpoints:
             def read_into(self, targets) -> bool:
                 assert [t.name for t in targets] == list(tensors)
                 for target in targets:
-                    target.write(0, tensors[target.name])
+                    for start in range(0, target.numel, PIECE):
+                        target.write(start, tensors[target.name][start : start + PIECE])
                 store.restored.append(swept)
                 return True
 
@@ -66,7 +70,12 @@ class MemoryCheckpoints:
             raise Interrupted(done)
 
     def save(self, swept, tensors, record) -> None:
-        copies = {t.name: t.read(0, t.numel).clone() for t in tensors}
+        copies = {
+            t.name: torch.cat(
+                [t.read(i, min(i + PIECE, t.numel)) for i in range(0, t.numel, PIECE)]
+            )
+            for t in tensors
+        }
         self.saved[swept] = (copies, record)
 
 
