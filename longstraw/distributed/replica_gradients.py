@@ -47,14 +47,17 @@ def sum_over_replicas(
     added across the replicas; returns this rank's FSDP shard of each ([chunk rows, ...]).
 
     Collective over `data_group`: every rank of the run calls it once per step, with the same
-    names in the same order."""
+    names (taken in the model's order)."""
     size, replicas = parallel.sequence_ranks, parallel.data_parallel
     rank = dist.get_rank()
     seq_rank, data_rank = rank % size, rank // size
     layout = replica_layout(parallel, seq_rank)
     shapes = {name: p.shape for name, p in model.named_parameters() if name in grads}
     out = {}
-    for name, part in grads.items():
+    # In the model's order on every rank: `grads` is in the order its source gave (a gradient
+    # file read back, or one this process computed), which may differ between two ranks.
+    for name in shapes:
+        part = grads[name]
         dim0, rest = shapes[name][0], tuple(shapes[name][1:])
         chunk = -(-dim0 // (replicas * size))
         pieces = layout.pieces(dim0)
