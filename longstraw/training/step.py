@@ -253,12 +253,13 @@ def run_step(
             add("prefill", sum(seconds for _, seconds in prefilled))
 
         def backward(g: int, at=current, iteration=iteration):
-            result = finished_groups.backward(
-                config, at, rollouts[g], plan, refs[g], olds[g], iteration,
-                lambda: stages.backward_group(
-                    config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
-                ),
-            )  # fmt: skip
+            with progress.relayed("sweep_shard", rollouts[g].prompt.index):
+                result = finished_groups.backward(
+                    config, at, rollouts[g], plan, refs[g], olds[g], iteration,
+                    lambda: stages.backward_group(
+                        config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
+                    ),
+                )  # fmt: skip
             # Its result is recorded: its sweep checkpoints are of no more use.
             discard_sweep_checkpoints(config, at, rollouts[g].prompt.index)
             return result

@@ -149,6 +149,8 @@ class StoredSweepCheckpoints:
         """`swept` of each checkpoint this stage committed, in order."""
         self.write_seconds: list[float] = []
         """Seconds each took, on this rank (writing its part, and on the writer committing)."""
+        self.bytes_written: list[int] = []
+        """Bytes of this rank's part of each."""
 
     # ---------------------------------------------------------------- resuming
     def latest(self) -> _Found | None:
@@ -203,6 +205,7 @@ class StoredSweepCheckpoints:
         if is_writer():
             self.store.commit(attempt, swept, parts, record)
         self.committed.append(swept)
+        self.bytes_written.append(part.num_elements * 4)
         self.last_write_s = self.clock() - started
         self.write_seconds.append(self.last_write_s)
         self.since = self.clock()
@@ -229,23 +232,15 @@ class _Found:
             if is_writer():
                 owner._start_over(self.swept, f"is damaged ({problems[0]})")
             return False
-        if is_writer():
-            progress.emit(
-                "sweep_resumed",
-                group=owner.key.group,
-                swept=self.swept,
-                total=owner.key.num_shards,
-                uri=owner.store.marker_uri(self.swept),
-            )
         return True
 
 
 def sweep_progress(group: int) -> Callable[[int, int, int], None]:
     """The engine's `on_sweep_shard` of a group's backward: "sweep_shard" progress events
-    (group, done, total, resumed) from the stage's writer."""
+    (group, done, total, resumed) from the stage's writer, told to the driver."""
 
     def told(done: int, total: int, resumed: int) -> None:
         if is_writer():
-            progress.emit("sweep_shard", group=group, done=done, total=total, resumed=resumed)
+            progress.emit_to_driver("sweep_shard", group, done=done, total=total, resumed=resumed)
 
     return told

@@ -25,7 +25,7 @@ import pytest
 
 from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
 from longstraw.storage.gc import list_sweeps
-from longstraw.training import held
+from longstraw.training import held, progress
 from longstraw.training.loop import train
 from tests.training.helpers import MACHINE_FIELDS
 from tests.training.test_sweep_resume import NUM_SHARDS, WORK_COUNTS, _config, _final, _same_bits
@@ -127,9 +127,21 @@ def test_ranks_killed_inside_the_sweep_resume_it_and_end_on_the_uninterrupted_ru
             assert committed.get("g1") == [latest], (kill, committed)
             start_stage_group(killed.parallel)
             resume = True
-        (metrics,) = train(killed, resume=True).history
+        heard = []
+
+        def listen(event: str, fields: dict) -> None:
+            heard.append((event, fields))
+
+        progress.add_listener(listen)
+        try:
+            (metrics,) = train(killed, resume=True).history
+        finally:
+            progress.remove_listener(listen)
     finally:
         stop_stage_group()
+    # Replica 1's sweep ran on ranks 2 and 3: its progress reached this driver through the store.
+    told = [fields for event, fields in heard if event == "sweep_shard" and fields["group"] == 1]
+    assert told and told[-1] == {"group": 1, "done": NUM_SHARDS, "total": NUM_SHARDS, "resumed": 4}
     # Group 0 finished before the first kill (its recorded result is taken, with its counts);
     # group 1 swept only the shard after its last checkpoint.
     assert (metrics.sweep_shards_computed, metrics.sweep_shards_resumed) == (NUM_SHARDS + 1, 4)
