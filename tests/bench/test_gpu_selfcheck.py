@@ -299,7 +299,8 @@ def test_budget_skips_a_run_predicted_to_overrun(selfcheck):
 def test_smoke_runs_with_only_what_the_gpu_image_has_or_the_wheels_carry(smoke, blocked):
     """The GPU machine's image lacks prefect, zarr, s3fs and pydantic and reaches no registry:
     the smoke run (every section ok, the tests above) had every other package blocked."""
-    assert {"prefect", "zarr", "s3fs", "moto"} <= set(blocked), blocked
+    lacking = {m for m in ("prefect", "zarr", "s3fs", "moto") if importlib.util.find_spec(m)}
+    assert lacking <= set(blocked), blocked  # those installed here
     assert not {"torch", "transformers", "pydantic", "pydantic_core", "yaml", "numpy"} & set(
         blocked
     )
