@@ -7,6 +7,7 @@ the field rather than a silently ignored setting. GRPO knobs keep TRL's names (`
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from longstraw.schemas.data import HaystackTaskConfig
 from longstraw.schemas.grpo import GRPOConfig
-from longstraw.schemas.merge import merge_fields, tags_at
+from longstraw.schemas.merge import merge_fields, nested, tags_at
 from longstraw.schemas.storage import StorageConfig
 from longstraw.schemas.tracking import TrackingConfig
 
@@ -383,6 +384,18 @@ def load_run_config(path: str | Path, **overrides) -> RunConfig:
     config = parse_run_config(text, str(path), overrides)
     import_beside(path)
     return config
+
+
+def command_line_config(config_path: Path | None, flags: Mapping[str, Any]) -> RunConfig:
+    """`longstraw train`'s config: the YAML file at `config_path` (the defaults without one), then
+    the flags (dotted field → value: {"parallel.world_size": 2}) merged onto it field by field, so
+    that any flags of one section combine. The file's errors name the file, the flags' errors
+    "command-line options". Schemas only: the CLI calls this before it imports torch."""
+    config = load_run_config(config_path) if config_path is not None else RunConfig()
+    if not flags:
+        return config
+    raw = merged(config.model_dump(mode="json"), nested(flags))
+    return validated_run_config(raw, "command-line options")
 
 
 def import_beside(config_file: Path) -> None:
