@@ -151,6 +151,8 @@ class StoredSweepCheckpoints:
         """Seconds each took, on this rank (writing its part, and on the writer committing)."""
         self.bytes_written: list[int] = []
         """Bytes of this rank's part of each."""
+        self.committed_at: list[float] = []
+        """`clock()` when each was committed (written, on ranks, by every rank)."""
 
     # ---------------------------------------------------------------- resuming
     def latest(self) -> _Found | None:
@@ -206,7 +208,8 @@ class StoredSweepCheckpoints:
             self.store.commit(attempt, swept, parts, record)
         self.committed.append(swept)
         self.bytes_written.append(part.num_elements * 4)
-        self.last_write_s = self.clock() - started
+        self.committed_at.append(self.clock())
+        self.last_write_s = self.committed_at[-1] - started
         self.write_seconds.append(self.last_write_s)
         self.since = self.clock()
 
