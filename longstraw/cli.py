@@ -135,8 +135,8 @@ def _mount_optional_apps() -> None:
         state_app, name="state", help="Inspect, verify and garbage-collect persisted prompt states."
     )
     try:
-        from longstraw.bench.commands import bench_app
-    except ImportError:  # benchmarks are optional in a stripped install
+        from bench.grpo.commands import bench_app
+    except ImportError:  # the benchmarks live in a checkout (bench/), not in the wheel
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks against full-sequence GRPO and TRL.")
 

@@ -38,7 +38,6 @@ LEVELS = {
     "distributed": 7,
     "trackers": 7,
     "training": 8,
-    "bench": 8,
     "orchestration": 9,
     "flows": 10,
     "train_entry": 11,

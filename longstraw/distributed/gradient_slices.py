@@ -12,7 +12,7 @@ order. An all_reduce (gloo) or reduce_scatter (NCCL) of that packed slice over "
 leaves piece d on rank (d, s) — exactly the local shard of FSDP's DTensor `.grad`. With
 N_d = 1 the slice is the contiguous `torch.chunk(param, N_s)[s]`.
 
-Accumulation (`sharded_group_gradient_slices` in `sharded_group`):
+Accumulation (`engine.group.group_gradient` over `CrossRankExchange`, its `gradient_sink`):
 
 * branch replay (replicated, identical gradient on every rank): each parameter's post-accumulate
   hook adds this rank's rows to its slice and drops `.grad` — no communication, and the branch is

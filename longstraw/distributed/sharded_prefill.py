@@ -14,19 +14,17 @@ replays branches from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import (
     serve_owner,
 )
 from longstraw.distributed.cross_rank_mla import CrossRankMlaLayer, serve_mla_owner
-from longstraw.distributed.exchange import CrossRankExchange, owner_kind_kwargs
+from longstraw.distributed.exchange import owner_kind_kwargs
 from longstraw.engine.cache import StateCache
-from longstraw.engine.prefill import prefill, prefill_cache
+from longstraw.engine.prefill import prefill_cache
 from longstraw.engine.state import PrefixState
 
 
@@ -99,22 +97,6 @@ def owner_prefill_cache(
 ) -> StateCache:
     """The layers that write `shard`'s K/V (GLM-5: latents, rope and indexer keys) and its
     end-of-shard linear checkpoints into this rank's `state`: what the owner runs the shard's
-    forward on, whichever schedule (`sharded_prefill`, `wavefront_prefill`)."""
+    forward on, whichever schedule (`engine.prefill` over `CrossRankExchange`, `wavefront_prefill`)."""
     kinds = owner_kind_kwargs(state, shard, group, mla_layer_class=mla_layer_class)
     return prefill_cache(state, shard, kinds)
-
-
-def sharded_prefill(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor | Sequence[int],
-    *,
-    shard_tokens: int,
-    group: dist.ProcessGroup | None = None,
-    **options,
-) -> PrefixState:
-    """This rank's part of the prompt state of `prompt_ids[:-1]`: `engine.prefill.prefill` over
-    the ranks of `group`; call on every rank together. `options` are `prefill`'s (`on_shard`,
-    `resume`, `start_shard`, `end_shard`)."""
-    return prefill(
-        model, prompt_ids, shard_tokens=shard_tokens, exchange=CrossRankExchange(group), **options
-    )

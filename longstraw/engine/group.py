@@ -152,7 +152,7 @@ def peak_rss_bytes() -> int:
 
 @dataclass(frozen=True)
 class GroupInputs:
-    """One group's checked branch inputs, the same for the single-process and sharded paths.
+    """One group's checked branch inputs, the same at every placement.
 
     Every list has one entry per response; None where that input was not given.
     """

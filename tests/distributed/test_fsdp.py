@@ -13,8 +13,8 @@ import functools
 import pytest
 from _workers import fsdp_data_parallel_step
 
+import longstraw.distributed.exchange
 import longstraw.distributed.fsdp
-import longstraw.distributed.sharded_group
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks

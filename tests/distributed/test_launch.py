@@ -7,7 +7,7 @@ import time
 import pytest
 from _workers import die_during_prefill, raise_on_rank
 
-import longstraw.distributed.sharded_prefill
+import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _wavefront_workers import persisted_prefill_dying_with, resume_persisted_prefill_with
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 

@@ -12,7 +12,7 @@ import functools
 import pytest
 from _workers import compare_with_single_process
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks

@@ -20,7 +20,7 @@ from _workers import (
     glm_sweep_with_corrupted_latent,
 )
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.cross_rank_mla import global_topk, local_topk_candidates

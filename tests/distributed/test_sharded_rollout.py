@@ -14,7 +14,7 @@ import functools
 import pytest
 from _workers import rollout_against_single_process, rollout_with_divergent_seed
 
-import longstraw.distributed.sharded_rollout
+import longstraw.distributed.exchange
 import longstraw.engine.prefill
 import longstraw.engine.rollout
 import longstraw.models.checkpoint  # noqa: F401

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from longstraw.bench.runner import run_isolated
-from longstraw.bench.workload import BenchSpec
+from bench.grpo.runner import run_isolated
+from bench.grpo.workload import BenchSpec
 
 Progress = Callable[[dict], None]
 

@@ -1,6 +1,6 @@
 """Run one benchmark configuration in this (fresh) process and write its result as JSON.
 
-    python -m longstraw.bench.worker SPEC_JSON OUT_JSON
+    python -m bench.grpo.worker SPEC_JSON OUT_JSON
 
 The model is loaded and the method warmed up on a 256-token prompt (first-call costs are not the
 method's), then the configuration runs once. Peak RSS is this process's high-water mark
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from longstraw.bench import methods
-from longstraw.bench.workload import BenchSpec, build_batch
+from bench.grpo import methods
+from bench.grpo.workload import BenchSpec, build_batch
 
 _WARMUP_PROMPT_TOKENS = 256
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longstraw.bench.workload import BenchSpec
+from bench.grpo.workload import BenchSpec
 
 _POLL_S = 0.05
 _ERROR_TAIL_CHARS = 2000
@@ -35,7 +35,7 @@ def _rss_bytes(pid: int) -> int:
 
 
 def run_isolated(spec: BenchSpec, *, time_cap_s: float, mem_cap_bytes: int) -> dict:
-    """One configuration in a fresh `python -m longstraw.bench.worker` process; a result record.
+    """One configuration in a fresh `python -m bench.grpo.worker` process; a result record.
 
     Record: spec, status ("ok", "oom", "timeout", "error"), wall_s, observed_peak_rss_bytes
     (parent's polls) and, when ok, the worker's result (peak_rss_bytes = child's ru_maxrss).
@@ -50,7 +50,7 @@ def run_isolated(spec: BenchSpec, *, time_cap_s: float, mem_cap_bytes: int) -> d
         started = time.perf_counter()
         with open(log, "wb") as log_file:
             child = subprocess.Popen(
-                [sys.executable, "-m", "longstraw.bench.worker", spec.model_dump_json(), str(out)],
+                [sys.executable, "-m", "bench.grpo.worker", spec.model_dump_json(), str(out)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=env,

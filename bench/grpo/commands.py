@@ -11,8 +11,8 @@ from pathlib import Path
 
 import typer
 
-from longstraw.bench import suites
-from longstraw.bench.workload import ensure_checkpoint
+from bench.grpo import suites
+from bench.grpo.workload import ensure_checkpoint
 
 bench_app = typer.Typer(help="Benchmarks: LongStraw vs full-sequence GRPO, TRL, a plain forward.")
 
@@ -219,7 +219,7 @@ def plot(
     group: Path | None = typer.Option(None, help="the group JSON file to draw"),
 ) -> None:
     """Draw the PNG plots of docs/benchmarks.md from the JSON results."""
-    from longstraw.bench.plots import draw_all
+    from bench.grpo.plots import draw_all
 
     files = [Path(name) for name in context.split(",") if name]
     for path in draw_all(results, out_dir, context=files or None, group=group):
@@ -229,7 +229,7 @@ def plot(
 @bench_app.command()
 def report(results: Path = RESULTS) -> None:
     """Print the markdown tables of docs/benchmarks.md from the JSON results."""
-    from longstraw.bench.report import render
+    from bench.grpo.report import render
 
     typer.echo(render(results))
 

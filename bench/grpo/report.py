@@ -186,7 +186,7 @@ def render(results: Path) -> str:
             continue
         m = data["machine"]
         program, _, rest = m["command"].partition(" ")
-        if program.endswith("longstraw/bench/__main__.py"):
+        if program.endswith(("bench/grpo/__main__.py", "longstraw/bench/__main__.py")):
             program = "longstraw bench"
         command = f"{program} {rest}".strip()
         parts.append(

@@ -35,7 +35,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.bench.workload import Batch, BenchSpec
+from bench.grpo.workload import Batch, BenchSpec
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.rollout import SamplingParams, sample_responses
