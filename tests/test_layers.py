@@ -102,6 +102,7 @@ def test_every_package_is_in_the_layer_map():
     assert not unmapped, f"add {unmapped} to LEVELS and to docs/architecture.md's package map"
 
 
+@pytest.mark.processes
 def test_each_layer_imports_with_the_layers_above_it_refused(layer_report):
     real = {f"longstraw.{e}" for e in _entries()}
     top = max(LEVELS[e] for e in _entries())
@@ -114,6 +115,7 @@ def test_each_layer_imports_with_the_layers_above_it_refused(layer_report):
         assert layer_report[package]["error"] is None, (package, layer_report[package])
 
 
+@pytest.mark.processes
 def test_a_deliberate_violation_is_refused(layer_report):
     fresh = layer_report["layerprobe.fresh"]
     assert "longstraw.engine" in fresh["forbidden"]

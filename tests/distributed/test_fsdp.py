@@ -19,6 +19,9 @@ import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS = 110, 17
 # (family, data, seq): 2 processes (pure data parallel) and 4 (2 replicas of a 2-rank sequence
 # group).

@@ -22,6 +22,9 @@ import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS = 110, 17
 CASES = [("qwen3_5", 2, 2, "exact"), ("llama", 2, 3, "detached")]
 # Shards vs the dense path's rows: measured 1.9e-7 (exact: another fp32 order of the same sums).

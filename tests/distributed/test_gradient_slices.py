@@ -22,6 +22,9 @@ import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.gradient_slices import SliceLayout
 from longstraw.distributed.launch import run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS = 200, 33
 CASES = [("llama", 2), ("qwen3_5", 3)]
 MODES = ["detached", "exact"]

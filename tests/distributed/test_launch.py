@@ -11,6 +11,9 @@ import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 
 def test_rank_exception_fails_the_call_with_rank_and_traceback():
     with pytest.raises(RankFailedError) as failure:

@@ -18,6 +18,9 @@ from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.distributed.sharded_state import scatter_state
 from longstraw.engine.state_layout import state_layout
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS, NUM_SHARDS = 200, 33, 7
 # (family, ranks, dying rank, the shard after which it dies, expected per rank:
 #  (computed, restored, boundary reads) on the rerun).

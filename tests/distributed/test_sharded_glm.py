@@ -27,6 +27,9 @@ from longstraw.distributed.cross_rank_mla import global_topk, local_topk_candida
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.ops.dsa_topk import naive_stable_topk_mask
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS = 100, 13
 START_METHOD = "fork"
 SPARSE, DENSE = 32, 1 << 20

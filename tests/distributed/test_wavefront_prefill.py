@@ -26,6 +26,9 @@ import longstraw.distributed.wavefront_prefill
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 START_METHOD = "fork"
 SPARSE, DENSE = 32, 1 << 20  # GLM-5 `index_topk`: the tiny checkpoint's, and everything
 # (family, ranks, prompt length, shard tokens, attention window: None = all owned shards,

@@ -11,6 +11,8 @@ import pytest
 from longstraw.grpo.rewards import RewardError
 from longstraw.orchestration.console import HideUserErrors, hide_user_errors_on_console
 
+pytestmark = pytest.mark.processes
+
 
 def _console_handlers():
     from prefect.logging.handlers import PrefectConsoleHandler

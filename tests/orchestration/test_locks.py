@@ -111,6 +111,7 @@ def test_a_lock_names_its_holder(manager, tmp_path):
     assert f"pid {os.getpid()}" in info.describe()
 
 
+@pytest.mark.processes
 def test_the_lock_of_a_killed_process_is_taken_over_at_once(tmp_path, capsys):
     with temporary_settings({PREFECT_HOME: str(tmp_path)}):
         manager = CrashSafeFileLockManager(first_report_s=0.1, report_every_s=10)

@@ -42,6 +42,8 @@ import errno, os, time
 
 import safetensors.torch
 
+pytestmark = pytest.mark.processes
+
 _save_file = safetensors.torch.save_file
 _ERRORS = {
     "full-on-rank": (errno.ENOSPC, "No space left on device"),
