@@ -11,9 +11,6 @@ from pathlib import Path
 
 import typer
 
-from bench.grpo import suites
-from bench.grpo.workload import ensure_checkpoint
-
 bench_app = typer.Typer(help="Benchmarks: LongStraw vs full-sequence GRPO, TRL, a plain forward.")
 
 _GIB = 2**30
@@ -21,9 +18,17 @@ CKPT_ROOT = Path(".longstraw/bench")
 RESULTS = Path("bench/results")
 
 
+def _suites():
+    """`bench.grpo.suites`, imported when a benchmark runs (it loads torch): the `bench`
+    commands' --help answers without it."""
+    from bench.grpo import suites
+
+    return suites
+
+
 def _progress(record: dict) -> None:
     spec = record["spec"]
-    peak = suites.peak_of(record) / _GIB if record["status"] != "skipped" else 0.0
+    peak = _suites().peak_of(record) / _GIB if record["status"] != "skipped" else 0.0
     step = record.get("result", {}).get("step_s")
     step_text = f"{step:8.1f} s" if step is not None else " " * 10
     typer.echo(
@@ -40,6 +45,8 @@ def _write(result: dict, out: Path) -> None:
 
 
 def _checkpoint(checkpoint: Path | None) -> str:
+    from bench.grpo.workload import ensure_checkpoint
+
     return str(checkpoint if checkpoint is not None else ensure_checkpoint(CKPT_ROOT))
 
 
@@ -57,7 +64,7 @@ def prefill(
     out: Path = RESULTS / "prefill.json",
 ) -> None:
     """Prefill tokens/s and peak RSS against transformers' plain forward (no grad, sdpa)."""
-    result = suites.prefill_suite(
+    result = _suites().prefill_suite(
         _checkpoint(checkpoint),
         prompt_tokens=prompt_tokens,
         shard_tokens=shard_tokens,
@@ -80,7 +87,7 @@ def group(
     out: Path = RESULTS / "group.json",
 ) -> None:
     """Peak RSS against the group size G at a fixed prompt length."""
-    result = suites.group_suite(
+    result = _suites().group_suite(
         _checkpoint(checkpoint),
         prompt_tokens=prompt_tokens,
         group_sizes=_ints(group_sizes),
@@ -105,7 +112,7 @@ def context(
     out: Path = RESULTS / "context.json",
 ) -> None:
     """Peak RSS and step time against P at fixed G, each method until a cap stops it."""
-    result = suites.context_suite(
+    result = _suites().context_suite(
         _checkpoint(checkpoint),
         prompt_lengths=_ints(prompt_lengths),
         group_size=group_size,
@@ -129,7 +136,7 @@ def fidelity(
     out: Path = RESULTS / "fidelity.json",
 ) -> None:
     """Cosine and relative error of each method's gradient to the exact full-sequence gradient."""
-    result = suites.fidelity_suite(
+    result = _suites().fidelity_suite(
         _checkpoint(checkpoint),
         prompt_tokens=prompt_tokens,
         group_size=group_size,
@@ -156,7 +163,7 @@ def rollout(
     out: Path = RESULTS / "rollout.json",
 ) -> None:
     """LongStraw's prefill + sampling against TRL's generation, alternated (own processes)."""
-    result = suites.rollout_suite(
+    result = _suites().rollout_suite(
         _checkpoint(checkpoint),
         prompt_lengths=_ints(prompt_lengths),
         group_size=group_size,
@@ -188,7 +195,7 @@ def decode(
     out: Path = RESULTS / "decode.json",
 ) -> None:
     """The time of one decoding step against P and G (sampling included)."""
-    result = suites.decode_suite(
+    result = _suites().decode_suite(
         _checkpoint(checkpoint),
         prompt_lengths=_ints(prompt_lengths),
         group_sizes=_ints(group_sizes),
