@@ -31,6 +31,7 @@ from longstraw.distributed.gradient_slices import (
     slices_drained_into,
     slices_scattered_from_owner,
 )
+from longstraw.distributed.topology import Topology
 from longstraw.engine.exchange import PrefixExchange
 from longstraw.engine.group import GradientSink, trainable_parameters
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS
@@ -83,10 +84,19 @@ class CrossRankExchange(PrefixExchange):
     """The prompt state is split over the ranks of `group` (None: the default group).
 
     `control` carries the Python objects `on_leader` hands out (a gloo group where `group` is
-    NCCL; None: `group` itself)."""
+    NCCL; None: `group` itself). `topology`: the run's ranks, `group` being this rank's
+    replica's sequence group (None: `group` is the whole run, one replica)."""
 
     group: dist.ProcessGroup | None = None
     control: dist.ProcessGroup | None = None
+    topology: Topology | None = None
+
+    @property
+    def ranks(self) -> Topology:
+        """The run's ranks from this one (`topology`, or one replica of `group`'s ranks)."""
+        if self.topology is not None:
+            return self.topology
+        return Topology(dist.get_world_size(self.group), 1, dist.get_rank(self.group))
 
     def attention_enabled(self, model: PreTrainedModel) -> contextlib.AbstractContextManager:
         return cross_rank_attention_enabled(model)
@@ -119,12 +129,12 @@ class CrossRankExchange(PrefixExchange):
                 "use the same model weights, dtype and sampling parameters on every rank"
             )
 
-    def gradient_sink(self, model: PreTrainedModel, *, data_size: int = 1) -> GradientSink:
-        """This rank's dim-0 rows of the gradient (`gradient_slices`): branch replay (the same
-        on every rank) adds its rows, the sweep's gradient of a shard is scattered from its
-        owner."""
-        layout = SliceLayout(dist.get_rank(self.group), dist.get_world_size(self.group), data_size)
-        params, slices = trainable_parameters(model), GradSlices(model, layout)
+    def gradient_sink(self, model: PreTrainedModel) -> GradientSink:
+        """This rank's dim-0 rows of the gradient (`gradient_slices`, laid out for the replicas
+        they will be summed over): branch replay (the same on every rank) adds its rows, the
+        sweep's gradient of a shard is scattered from its owner."""
+        params = trainable_parameters(model)
+        slices = GradSlices(model, SliceLayout.of(self.ranks))
         return GradientSink(
             slices,
             replay=slices_drained_into(params, slices),
@@ -147,7 +157,7 @@ class CrossRankExchange(PrefixExchange):
         dist.barrier(group=self.group)
 
     def placement(self) -> Placement:
-        return Placement(dist.get_rank(self.group), dist.get_world_size(self.group))
+        return Placement(self.ranks.sequence_rank, self.ranks.sequence_ranks)
 
     def owner_kind_kwargs(self, state, shard: int) -> dict:
         return owner_kind_kwargs(state, shard, self.group)

@@ -26,7 +26,8 @@ the local slice: the reference. Training sums data replicas with a reduce-scatte
 Sequence-sharded accumulators (no dense fp32 gradient on any rank during the step):
 `shard_model_over_data_and_seq` shards parameters, gradients and optimizer state over the
 flattened mesh (rank (d, s) holds chunk d · N_s + s); `engine.group.group_gradient(...,
-exchange=CrossRankExchange(seq), data_size=N_d)` accumulates exactly the rows that data ranks (·, s) will own; then
+exchange=CrossRankExchange(seq, topology=mesh_topology(mesh)))` accumulates exactly the rows
+that data ranks (·, s) will own; then
 `set_sharded_gradients` all-reduces those slices over "data" and sets each DTensor `.grad`.
 """
 
@@ -43,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
+from longstraw.distributed.topology import Topology
 from longstraw.engine.group import GradBuffer
 from longstraw.models.adapters import decoder_of
 
@@ -129,8 +131,8 @@ def shard_model_over_data_and_seq(
     """`fully_shard` the model over the FLATTENED ("data", "seq") mesh: rank (d, s) holds chunk
     d · N_s + s of every parameter's dim 0, and so do its gradient and optimizer state.
 
-    Returns the FSDP modules and the flat mesh. Pair with `engine.group.group_gradient(...,
-    data_size=N_d)` and `set_sharded_gradients`: the sequence-sharded accumulators hold exactly
+    Returns the FSDP modules and the flat mesh. Pair with `engine.group.group_gradient` over
+    `CrossRankExchange(seq, topology=mesh_topology(mesh))` and `set_sharded_gradients`: the sequence-sharded accumulators hold exactly
     the rows that the data reduction turns into these chunks. `unsharded_parameters` then
     all-gathers over all ranks once per step (every rank takes part, in the same order).
     """
@@ -138,9 +140,16 @@ def shard_model_over_data_and_seq(
     return _fully_shard_units(model, flat), flat
 
 
+def mesh_topology(mesh: DeviceMesh) -> Topology:
+    """The ("data", "seq") mesh as the run's `Topology`: rank (d, s) is the one at d · N_s + s of
+    the flattened mesh."""
+    flat = mesh.mesh.flatten().tolist()
+    return Topology(len(flat), mesh.size(0), flat.index(dist.get_rank()))
+
+
 def slice_layout(mesh: DeviceMesh) -> SliceLayout:
     """This rank's `SliceLayout` on the ("data", "seq") mesh (what `set_sharded_gradients` expects)."""
-    return SliceLayout(mesh.get_local_rank(SEQ), mesh.size(1), mesh.size(0))
+    return SliceLayout.of(mesh_topology(mesh))
 
 
 def set_sharded_gradients(model: PreTrainedModel, slices: GradSlices, mesh: DeviceMesh) -> int:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import announce_gradient_slices
+from longstraw.distributed.topology import Topology
 from longstraw.engine.group import grads_consumed_by, trainable_parameters
 
 
@@ -52,22 +53,31 @@ class SliceLayout:
     data_size: int = 1
     """N_d: data replicas the slices will later be averaged over (FSDP over data × seq)."""
 
+    @classmethod
+    def of(cls, topology: Topology) -> SliceLayout:
+        """The rows this rank of `topology` accumulates: its sequence index's chunk of every
+        replica."""
+        return cls(topology.sequence_rank, topology.sequence_ranks, topology.replicas)
+
+    @property
+    def topology(self) -> Topology:
+        """The data × seq ranks the rows are laid out over, seen from this sequence rank of
+        replica 0 (every replica's rank s holds the same rows)."""
+        return Topology(self.data_size * self.seq_size, self.data_size, self.seq_rank)
+
     def pieces(self, dim0: int, seq_rank: int | None = None) -> list[tuple[int, int]]:
         """[N_d] (start, end) row ranges of `seq_rank` (default: this rank), in data order."""
         s = self.seq_rank if seq_rank is None else seq_rank
-        chunk = -(-dim0 // (self.data_size * self.seq_size))
-        out = []
-        for d in range(self.data_size):
-            g = d * self.seq_size + s
-            out.append((min(g * chunk, dim0), min((g + 1) * chunk, dim0)))
-        return out
+        topology = self.topology
+        chunk = -(-dim0 // topology.world_size)
+        return [(min(g * chunk, dim0), min((g + 1) * chunk, dim0)) for g in topology.data_ranks(s)]
 
     def rows(self, dim0: int, seq_rank: int | None = None) -> int:
         return sum(end - start for start, end in self.pieces(dim0, seq_rank))
 
     def padded_rows(self, dim0: int) -> int:
         """The most rows any sequence rank holds: the size every rank's scatter part gets."""
-        return self.data_size * -(-dim0 // (self.data_size * self.seq_size))
+        return self.data_size * -(-dim0 // self.topology.world_size)
 
 
 def _packed(full: torch.Tensor, pieces: list[tuple[int, int]], rows: int | None = None):

@@ -103,14 +103,12 @@ class PrefixExchange:
         error instead) so that every rank goes on the same way."""
         return call()
 
-    def gradient_sink(self, model: PreTrainedModel, *, data_size: int = 1):
+    def gradient_sink(self, model: PreTrainedModel):
         """Where a group's gradient accumulates (`engine.group.GradientSink`): one fp32 buffer of
         the whole gradient, which replay and sweep both drain `.grad` into."""
         from longstraw.engine.group import GradientSink, grads_drained_into, trainable_parameters
         from longstraw.grpo.grad_buffer import GradBuffer
 
-        if data_size != 1:
-            raise ValueError(f"data_size {data_size}: one process holds no data replicas")
         params, buffer = trainable_parameters(model), GradBuffer(model)
         return GradientSink(
             buffer,

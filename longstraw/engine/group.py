@@ -374,19 +374,18 @@ def group_gradient(
     engine: EngineConfig,
     *,
     exchange: PrefixExchange = LOCAL,
-    data_size: int = 1,
 ) -> tuple[HoldsGrads, GroupStats]:
     """One group's gradient at any world size: (the accumulator of this process's part of it —
     `.grads` [name] fp32, whole on one process, this rank's rows on ranks, see
     `GradientSink.accumulator` —, the group's statistics).
 
     `state` is the whole prompt state or this rank's part; `exchange` (`engine.exchange`) the
-    placement's, `data_size` the data replicas a rank's rows will be averaged over. Under
-    `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
+    placement's (on ranks: this rank's rows, laid out for the replicas they are summed over).
+    Under `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
     `engine.state_tier`. The figures a memory limit must cover (peak RSS, the cotangent's bytes,
     the tiered state's traffic) are the busiest rank's. `.grad` is left untouched.
     """
-    sink = exchange.gradient_sink(model, data_size=data_size)
+    sink = exchange.gradient_sink(model)
     exact = engine.prompt_grad == "exact"
     with tiered_for_group(
         model, state, engine.state_budget_bytes, engine.state_tier, engine.state_dir, exact

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.exchange import CrossRankExchange
 from longstraw.distributed.gradient_slices import GradSlices
+from longstraw.distributed.topology import Topology
 from longstraw.engine.group import (
     GradBuffer,
     drain_grads_into,
@@ -45,15 +46,16 @@ def group_gradient_on_ranks(
     *,
     prompt_grad: str = "exact",
     group: dist.ProcessGroup | None = None,
-    data_size: int = 1,
+    topology: Topology | None = None,
     branch_segment_tokens: int | None = None,
     share_response_prefixes: bool = False,
     **inputs,
 ) -> tuple[GradSlices, list[torch.Tensor]]:
     """(this rank's fp32 rows of the group's gradient, per-branch log-probs [G][R_i]);
     `inputs` are `engine.group.group_inputs`'s (old and reference log-probs, loss masks,
-    importance weights, the normaliser), `data_size` the data replicas the rows are laid out for
-    (`gradient_slices.SliceLayout`). `.grad` of the parameters is left untouched."""
+    importance weights, the normaliser), `topology` the run's ranks when `group` is one replica's
+    sequence group (the rows are laid out for the replicas: `gradient_slices.SliceLayout`).
+    `.grad` of the parameters is left untouched."""
     checked = group_inputs(
         model, responses, advantages, loss_config, prompt_grad=prompt_grad, **inputs
     )
@@ -63,8 +65,8 @@ def group_gradient_on_ranks(
         share_response_prefixes=share_response_prefixes,
     )
     slices, stats = group_gradient(
-        model, state, checked, loss_config, engine, exchange=CrossRankExchange(group),
-        data_size=data_size,
+        model, state, checked, loss_config, engine,
+        exchange=CrossRankExchange(group, topology=topology),
     )  # fmt: skip
     return slices, [torch.tensor(lp, dtype=torch.float32) for lp in stats.branch_logprobs]
 

@@ -116,6 +116,7 @@ def fsdp_sliced_step(
         DATA,
         SEQ,
         data_seq_mesh,
+        mesh_topology,
         set_sharded_gradients,
         shard_model_over_data_and_seq,
         unsharded_parameters,
@@ -150,7 +151,7 @@ def fsdp_sliced_step(
         with ZeroFilledBytes() as probe:
             slices, _ = group_gradient_on_ranks(
                 model, state, responses, advantages, config, prompt_grad=prompt_grad,
-                group=seq_group, data_size=data,
+                group=seq_group, topology=mesh_topology(mesh),
             )  # fmt: skip
     accumulator_bytes = slices.nbytes()
     data_reduce_bytes = set_sharded_gradients(model, slices, mesh)
