@@ -12,7 +12,8 @@ Static figures, read from the source with `ast` (nothing of the package is run):
   of ranks (`rank // sequence_ranks`), or a rank list built as `d * size + s`;
 - import circles: strongly connected sets of modules of `longstraw/` that import each other,
   imports inside functions included, a name taken from a package's `__init__` followed to the
-  module that defines it; each circle says whether it lies inside one folder;
+  module that defines it (the layer test's own scan, `tests/layer_imports.py`); each circle says
+  whether it lies inside one folder;
 - lines of `ops/`, `engine/`, `distributed/` (every line of their .py files).
 
 One dynamic figure (`--frames`): the Python frames of LongStraw's own files between the
@@ -35,128 +36,23 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The import scan is the layer test's own (tests/layer_imports.py), run from any directory.
+sys.path.insert(0, str(REPO))
+from tests.layer_imports import import_circles, package_modules  # noqa: E402
+
 PACKAGE = REPO / "longstraw"
 
 ATTENTION_DISPATCH = ("attention_kernel", "attention_backward_kernel", "flash_attn_partial")
 RANK_COUNTS = ("sequence_ranks", "seq_size", "size", "world_size", "data_parallel")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts).removesuffix(".__init__")
-
-
-def package_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _is_package(name: str, modules: dict[str, Path]) -> bool:
-    return modules.get(name, Path()).name == "__init__.py"
-
-
-def _reexports(init: Path, package: str, modules: dict[str, Path]) -> dict[str, str]:
-    """Names a package's `__init__` takes from its own modules: name -> defining module."""
-    out = {}
-    for node in ast.walk(ast.parse(init.read_text())):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.level == 0
-            and node.module in modules
-            and node.module.startswith(package + ".")
-        ):
-            for alias in node.names:
-                out[alias.asname or alias.name] = node.module
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> the longstraw modules it imports, at any depth of its source."""
-    modules = package_modules()
-    exports = {
-        name: _reexports(path, name, modules)
-        for name, path in modules.items()
-        if path.name == "__init__.py"
-    }
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                for alias in node.names:
-                    full = f"{base}.{alias.name}"
-                    if full in modules:
-                        targets.append(full)
-                    elif _is_package(base, modules) and alias.name in exports.get(base, {}):
-                        targets.append(exports[base][alias.name])
-                    else:
-                        targets.append(base)
-            for target in targets:
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name and target.startswith("longstraw"):
-                    graph[name].add(target)
-    return graph
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    found: list[list[str]] = []
-    counter = 0
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            for child in children:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                    break
-                if child in on_stack:
-                    low[node] = min(low[node], index[child])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        found.append(sorted(component))
-    return sorted(found)
-
-
 def _folder(module: str, modules: dict[str, Path]) -> str:
-    return module if _is_package(module, modules) else module.rpartition(".")[0]
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
 def circle_figures() -> dict:
-    modules = package_modules()
-    found = circles(import_graph())
+    modules = package_modules(PACKAGE)
+    found = import_circles(PACKAGE)
     return {
         "count": len(found),
         "inside_one_folder": sum(len({_folder(m, modules) for m in c}) == 1 for c in found),
@@ -201,7 +97,7 @@ def _rank_arithmetic(node: ast.AST) -> bool:
 
 def rank_coordinate_figures() -> dict:
     places: dict[str, list[str]] = defaultdict(list)
-    for path in package_modules().values():
+    for path in package_modules(PACKAGE).values():
         tree = ast.parse(path.read_text())
         for qualname, function in _functions(tree):
             body = [n for stmt in function.body for n in ast.walk(stmt)]
@@ -229,7 +125,7 @@ def attention_figures() -> dict:
     kinds: dict[str, list[str]] = {"kv": [], "latent": []}
     registered: list[str] = []
     dispatch_sites: dict[str, list[str]] = defaultdict(list)
-    for path in package_modules().values():
+    for path in package_modules(PACKAGE).values():
         tree = ast.parse(path.read_text())
         where = str(path.relative_to(REPO))
         for node in ast.walk(tree):

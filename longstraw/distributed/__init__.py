@@ -12,7 +12,8 @@ sequence group (`GradSlices`, `longstraw.distributed.gradient_slices`), `scatter
 `gather_state`; FSDP2 over a ("data", "seq") mesh in `longstraw.distributed.fsdp`.
 """
 
-from longstraw.distributed.exchange import CrossRankExchange, ReplicaDivergenceError
+from longstraw.distributed.collectives import ReplicaDivergenceError
+from longstraw.distributed.exchange import CrossRankExchange
 from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.distributed.sharded_state import gather_state, scatter_state

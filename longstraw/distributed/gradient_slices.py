@@ -12,7 +12,7 @@ order. An all_reduce (gloo) or reduce_scatter (NCCL) of that packed slice over "
 leaves piece d on rank (d, s) — exactly the local shard of FSDP's DTensor `.grad`. With
 N_d = 1 the slice is the contiguous `torch.chunk(param, N_s)[s]`.
 
-Accumulation (`engine.group.group_gradient` over `CrossRankExchange`, its `gradient_sink`):
+Accumulation (`sliced_gradient`, the `gradient_sink` of `CrossRankExchange`):
 
 * branch replay (replicated, identical gradient on every rank): each parameter's post-accumulate
   hook adds this rank's rows to its slice and drops `.grad` — no communication, and the branch is
@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import announce_gradient_slices
 from longstraw.distributed.topology import Topology
-from longstraw.engine.group import grads_consumed_by, trainable_parameters
+from longstraw.engine.gradient_sink import GradientSink, grads_consumed_by, trainable_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,3 +202,18 @@ def receive_gradient_slices(
         slices.grads[name] += mine[:rows].float()
 
     return receive
+
+
+def sliced_gradient(
+    model: PreTrainedModel, *, group: dist.ProcessGroup | None, ranks: Topology
+) -> GradientSink:
+    """A rank's gradient sink: its dim-0 rows of the gradient (`SliceLayout.of(ranks)`, laid
+    out for the replicas they will be summed over); branch replay (the same on every rank) adds
+    its rows, the sweep's gradient of a shard is scattered from its owner."""
+    params, slices = trainable_parameters(model), GradSlices(model, SliceLayout.of(ranks))
+    return GradientSink(
+        slices,
+        replay=slices_drained_into(params, slices),
+        sweep=slices_scattered_from_owner(params, slices, group=group),
+        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
+    )

@@ -39,6 +39,7 @@ from longstraw.distributed.stage_group import (
     when_ranks_stop,
 )
 from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
+from longstraw.engine.replay import replay_branch
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
 from longstraw.engine.state_tiers import state_traffic
@@ -203,15 +204,12 @@ def score_logprobs(model, state, responses, *, temperature: float) -> list[torch
     """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
     exchange = held.prefix_exchange()
     return [
-        exchange.replay_branch(
-            model,
-            state,
-            torch.as_tensor(r, dtype=torch.long),
-            temperature=temperature,
-            cotangent=None,
+        replay_branch(
+            model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature,
+            exchange=exchange,
         )[0]
         for r in responses
-    ]
+    ]  # fmt: skip
 
 
 @on_all_ranks

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from longstraw.errors import UserError, exception_chain
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.errors import ChunkChecksumError, StateIntegrityError
+from longstraw.training.preflight import human_size
 
 EX_IOERR = 74
 """sysexits.h: an input/output error. A storage fault is the environment's, not the config's
@@ -327,10 +328,3 @@ def damaged_state(error: StateIntegrityError) -> StorageFault:
 def _uri_in(text: str) -> str | None:
     match = re.search(r"((?:file|s3)://\S+|/\S+)", text)
     return match.group(1).rstrip("),:;") if match else None
-
-
-def human_size(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"

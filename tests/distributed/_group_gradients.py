@@ -23,15 +23,12 @@ from transformers import PreTrainedModel
 from longstraw.distributed.exchange import CrossRankExchange
 from longstraw.distributed.gradient_slices import GradSlices
 from longstraw.distributed.topology import Topology
-from longstraw.engine.group import (
-    GradBuffer,
+from longstraw.engine.gradient_sink import (
     drain_grads_into,
     grads_drained_into,
-    group_gradient,
-    group_inputs,
-    replay_and_sweep,
     trainable_parameters,
 )
+from longstraw.engine.group import GradBuffer, group_gradient, group_inputs, replay_and_sweep
 from longstraw.engine.state import PrefixState
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.run import EngineConfig
