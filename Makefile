@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo test test-fast lint bench clean-demo
+.PHONY: demo test test-fast lint bench clean-demo gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/longstraw bench --help
+
+# The wheels the GPU machine's image lacks (bench/gpu_wheels.txt), for its Python 3.12, into
+# bench/gpu_wheels/ (ignored by git): the device call carries that folder (docs/benchmarks.md, GPU).
+gpu-wheels:
+	python3 bench/gpu_wheels.py
