@@ -386,7 +386,7 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 if not debug:
                     import logging
 
-                    from longstraw.orchestration.console import (
+                    from longstraw.flows.console import (
                         hide_replaced_interrupts_on_console,
                         hide_user_errors_on_console,
                     )

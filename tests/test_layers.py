@@ -39,10 +39,11 @@ LEVELS = {
     "distributed": 7,
     "trackers": 7,
     "training": 8,
-    "orchestration": 9,
-    "flows": 10,
-    "train_entry": 11,
-    "cli": 12,
+    "audit": 9,
+    "tasks": 10,
+    "flows": 11,
+    "train_entry": 12,
+    "cli": 13,
 }
 
 

@@ -172,11 +172,11 @@ def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_vol
     """s3fs turns an S3 error answer into an OSError (503 SlowDown -> EBUSY, 500 -> EREMOTEIO,
     an unknown code -> EIO, AccessDenied -> PermissionError without an errno). Said as the
     endpoint's or the credentials' fault, never as a local device's, and a StorageFault, which
-    Prefect's task retries leave alone (`orchestration.policies.retry_on_transient`)."""
+    Prefect's task retries leave alone (`tasks.policies.retry_on_transient`)."""
     from botocore.exceptions import ClientError, EndpointConnectionError
     from s3fs.errors import translate_boto_error
 
-    from longstraw.orchestration.policies import retry_on_transient
+    from longstraw.tasks.policies import retry_on_transient
 
     root = f"s3://{BUCKET}/p"
     # AWS itself: no endpoint setting to name.

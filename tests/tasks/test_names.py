@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from longstraw.orchestration import stages
-from longstraw.orchestration.names import (
+from longstraw.audit.names import (
     STAGE_TAGS,
     TASK_RUN_NAMES,
     round_significant,
@@ -14,6 +13,7 @@ from longstraw.orchestration.names import (
     step_tags,
     task_tags,
 )
+from longstraw.tasks import stages
 
 PROMPT = SimpleNamespace(index=1, num_shards=32, prompt_digest="3f9a2b7c41d0e5a6b8c9", step=7)
 POLICY = SimpleNamespace(step=7, policy_version=8)

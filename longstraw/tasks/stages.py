@@ -20,7 +20,7 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
-from longstraw.orchestration.names import (
+from longstraw.audit.names import (
     TASK_RUN_NAMES,
     WHERE,
     backward_line,
@@ -29,7 +29,7 @@ from longstraw.orchestration.names import (
     rollout_line,
     task_tags,
 )
-from longstraw.orchestration.policies import (
+from longstraw.tasks.policies import (
     prefill_shard_cache_key,
     retry_on_transient,
     serializable_cache_policy,
@@ -41,7 +41,7 @@ _RETRY = {"retries": 1, "retry_delay_seconds": 1, "retry_condition_fn": retry_on
 
 
 def _task(name: str, **options):
-    """A task named `name` whose runs are named and tagged for the UI (`orchestration.names`)."""
+    """A task named `name` whose runs are named and tagged for the UI (`audit.names`)."""
     return task(name=name, task_run_name=TASK_RUN_NAMES[name], tags=task_tags(name), **options)
 
 

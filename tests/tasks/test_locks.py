@@ -14,9 +14,9 @@ import psutil
 import pytest
 from prefect.settings import PREFECT_HOME, temporary_settings
 
-from longstraw.orchestration.locks import CrashSafeFileLockManager
 from longstraw.storage.holders import current_holder, heartbeats
 from longstraw.storage.lockfiles import create_lock_file, lock_file_content, read_lock_file
+from longstraw.tasks.locks import CrashSafeFileLockManager
 
 
 @pytest.fixture()
@@ -85,7 +85,7 @@ def test_racing_acquirers_never_read_a_half_written_lock(manager):
 
 _HOLD_IN_CHILD = """
 import sys, time
-from longstraw.orchestration.locks import CrashSafeFileLockManager
+from longstraw.tasks.locks import CrashSafeFileLockManager
 assert CrashSafeFileLockManager().acquire_lock("shard", "child-holder")
 print("held", flush=True)
 time.sleep(600)

@@ -18,7 +18,7 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
-from longstraw.orchestration.names import artifact_key, metrics_row, rounded_rows
+from longstraw.audit.names import artifact_key, metrics_row, rounded_rows
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import run_dir

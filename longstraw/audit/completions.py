@@ -19,7 +19,7 @@ import json
 
 from prefect.artifacts import create_table_artifact
 
-from longstraw.orchestration.names import artifact_key, rounded_rows
+from longstraw.audit.names import artifact_key, rounded_rows
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.trackers.completions import read_completions

@@ -9,7 +9,7 @@ import sys
 
 from prefect.exceptions import TerminationSignal
 
-from longstraw.orchestration.console import HideReplacedInterrupts
+from longstraw.flows.console import HideReplacedInterrupts
 
 
 def _record(exc: BaseException | None) -> logging.LogRecord:

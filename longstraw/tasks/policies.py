@@ -6,7 +6,7 @@ import hashlib
 
 from prefect.cache_policies import CacheKeyFnPolicy
 
-from longstraw.orchestration.locks import CrashSafeFileLockManager
+from longstraw.tasks.locks import CrashSafeFileLockManager
 
 # Faults worth retrying: storage and network hiccups that no layer below explained. A
 # ValueError (bad input) or a StateKeyMismatchError (wrong weights) fails the same way every

@@ -14,8 +14,12 @@ from pydantic import ValidationError
 from longstraw.grpo.advantages import group_advantages
 from longstraw.grpo.rewards import register_reward
 from longstraw.models.checkpoint import read_checkpoint_metadata
-from longstraw.orchestration.policies import retry_on_transient
-from longstraw.orchestration.stages import (
+from longstraw.schemas.data import HaystackTaskConfig
+from longstraw.schemas.refs import GradRef, PromptRef, RolloutRecord
+from longstraw.schemas.run import RunConfig
+from longstraw.storage import artifacts
+from longstraw.tasks.policies import retry_on_transient
+from longstraw.tasks.stages import (
     apply_update,
     backward_group,
     compute_advantages,
@@ -27,10 +31,6 @@ from longstraw.orchestration.stages import (
     rollout_group,
     score_group,
 )
-from longstraw.schemas.data import HaystackTaskConfig
-from longstraw.schemas.refs import GradRef, PromptRef, RolloutRecord
-from longstraw.schemas.run import RunConfig
-from longstraw.storage import artifacts
 from longstraw.training import held
 from longstraw.training.context import initial_checkpoint
 
@@ -263,7 +263,7 @@ def test_no_task_retries_a_storage_fault():
     would redo the stage's compute only to wait as long again (docs/operations.md)."""
     from prefect import Task
 
-    from longstraw.orchestration import stages as tasks
+    from longstraw.tasks import stages as tasks
     from longstraw.training.storage_faults import StorageFault
 
     retried = [t for t in vars(tasks).values() if isinstance(t, Task) and t.retries]
