@@ -118,3 +118,22 @@ def evaluate(config: RunConfig, policy: PolicyRef) -> EvalMetrics:
         truncated_fraction=sum(truncated) / len(truncated),
         rewards=rewards,
     )
+
+
+def evaluate_checkpoint(config: RunConfig) -> EvalMetrics:
+    """The held-out prompts answered by `model.checkpoint` as it is, without training
+    (`longstraw eval`; one process). A checkpoint a run wrote is evaluated with the draws of the
+    step that wrote it, so a sampled evaluation gives the numbers that step recorded; any other
+    checkpoint with those of step 0 (the first point of a learning curve)."""
+    import json
+    from pathlib import Path
+
+    from longstraw.storage.checkpoints import TRAINER_STATE
+    from longstraw.training.context import start_policy
+
+    policy = start_policy(config)
+    trainer_state = Path(policy.checkpoint.uri.removeprefix("file://")) / TRAINER_STATE
+    if trainer_state.is_file():
+        step = int(json.loads(trainer_state.read_text())["step"])
+        policy = policy.model_copy(update={"step": step})
+    return evaluate(config, policy)
