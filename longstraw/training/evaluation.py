@@ -134,6 +134,7 @@ def evaluate_checkpoint(config: RunConfig) -> EvalMetrics:
     policy = start_policy(config)
     trainer_state = Path(policy.checkpoint.uri.removeprefix("file://")) / TRAINER_STATE
     if trainer_state.is_file():
-        step = int(json.loads(trainer_state.read_text())["step"])
-        policy = policy.model_copy(update={"step": step})
+        # Checkpoints written otherwise (through `commit_checkpoint` by a script) may not say.
+        step = json.loads(trainer_state.read_text()).get("step", 0)
+        policy = policy.model_copy(update={"step": int(step)})
     return evaluate(config, policy)
