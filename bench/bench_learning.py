@@ -370,7 +370,8 @@ def pretrain(args, plan: dict) -> dict:
                 f"pretrain stage {stage_index} (P {length}, {overrides or 'the task'}) step "
                 f"{step} (at most {last}) examples {step * batch:,} loss {ema:.3f} held-out "
                 f"teacher-forced exact match {accuracy:.3f} ({rate:.1f} examples/s, "
-                f"{eta(step - first, last - first, elapsed)} at most for the stage)"
+                f"{eta(step - start_step, step - start_step + last - step, elapsed)} at most "
+                "for the stage)"
             )
             if step % cfg["save_every"] == 0 or accuracy >= stage["until_accuracy"]:
                 save_state(folder, step, stage_index, model, optimizer, history)
