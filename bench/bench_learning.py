@@ -261,13 +261,18 @@ def load_state(folder: Path, model, optimizer, device) -> tuple[int, int, list]:
     return int(meta["step"]), int(meta["stage"]), meta["history"]
 
 
-def learning_rate(cfg: dict, step: int) -> float:
-    """Linear warm-up over `warmup_steps`, then constant (training stops at a target, not at a
-    planned length)."""
+def learning_rate(cfg: dict, stage: dict, step: int, stage_start: int) -> float:
+    """Linear warm-up over `warmup_steps`, then the stage's rate (`learning_rate`, else the
+    plan's); with `decay_to`, falling linearly to it over the stage's first `decay_examples`,
+    then constant (training stops at a target, not at a planned length)."""
     peak, warm = cfg["learning_rate"], cfg["warmup_steps"]
     if step < warm:
         return peak * (step + 1) / warm
-    return peak
+    rate = stage.get("learning_rate", peak)
+    if "decay_to" not in stage:
+        return rate
+    done = min((step - stage_start) * cfg["batch_size"] / stage["decay_examples"], 1.0)
+    return rate + (stage["decay_to"] - rate) * done
 
 
 def write_base_checkpoint(path: Path, model, tokenizer, record: dict) -> None:
@@ -339,7 +344,7 @@ def pretrain(args, plan: dict) -> dict:
         if step >= last:
             break  # the stage's budget is spent without reaching its accuracy: stop there
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
+            group["lr"] = learning_rate(cfg, stage, step, first)
         seeds = [cfg["train_seed"] + step * batch + i for i in range(batch)]
         ids, mask, _ = batch_of(plan, stage, seeds, tokenizer, device)
         loss = masked_loss(model, ids, mask)
