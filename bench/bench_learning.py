@@ -866,6 +866,26 @@ def fidelity(args, plan: dict) -> dict:
             f"{rows[-1]['detached_vs_exact']['cosine']:.4f}, exact/full "
             f"{rows[-1]['exact_vs_full_sequence']['cosine']:.7f}"
         )
+    stock = args.results / "fidelity_random_prompt.json"
+    command = [
+        sys.executable,
+        "-m",
+        "longstraw.cli",
+        "bench",
+        "fidelity",
+        "--checkpoint",
+        str(args.work / "base"),
+        "--prompt-tokens",
+        str(p_star),
+        "--group-size",
+        str(cfg["stock_group_size"]),
+        "--shard-tokens",
+        str(shard),
+        "--out",
+        str(stock),
+    ]
+    log(f"fidelity: the stock benchmark on random tokens ({' '.join(command[2:])})")
+    subprocess.run(command, check=True, env=child_env(args), cwd=REPO)
     document = {
         "prompt_tokens": p_star,
         "loss": run["grpo"],
@@ -1084,6 +1104,77 @@ def tables(pre: dict, base: dict, records: list[dict], fid: dict | None) -> str:
     return "\n".join(lines)
 
 
+def verdict(exact: list[float], detached: list[float], prompts: int) -> dict:
+    """PROTOCOL.md's comparison of one metric: d = mean(exact) - mean(detached), its standard
+    error from the seeds' spread but not below the binomial one of `prompts` prompts per seed,
+    and the call at 2 standard errors."""
+    n_e, n_d = len(exact), len(detached)
+    sd_e = float(np.std(exact, ddof=1)) if n_e > 1 else 0.0
+    sd_d = float(np.std(detached, ddof=1)) if n_d > 1 else 0.0
+    d = float(np.mean(exact) - np.mean(detached))
+    pooled = float(np.mean([*exact, *detached]))
+    binomial = math.sqrt(pooled * (1 - pooled) / prompts * (1 / n_e + 1 / n_d))
+    se = max(math.sqrt(sd_e**2 / n_e + sd_d**2 / n_d), binomial)
+    call = (
+        "exact learns more"
+        if d > 2 * se
+        else "detached learns more"
+        if d < -2 * se
+        else "no difference at this resolution"
+    )
+    return {
+        "exact": exact,
+        "detached": detached,
+        "difference": d,
+        "se": se,
+        "binomial_se": binomial,
+        "resolution": 2 * se,
+        "verdict": call,
+    }
+
+
+def interpolate(x: float, xs: list[float], ys: list[float]) -> float:
+    """ys at x, linear between the points (x within [xs[0], xs[-1]])."""
+    return float(np.interp(x, xs, ys))
+
+
+def analysis(records: list[dict], base: dict, prompts: int, reward_window: int = 50) -> dict:
+    """Every metric of PROTOCOL.md with its verdict."""
+    data = curves(records, base, base["target_length"])
+    p_star = base["target_length"]
+    out: dict = {}
+    for p in sorted(data["exact"]["accuracy"]):
+        finals = {m: [r[-1] for r in data[m]["accuracy"][p]] for m in MODES}
+        areas = {m: [float(np.mean(r[1:])) for r in data[m]["accuracy"][p]] for m in MODES}
+        out[f"final_accuracy_{p}"] = verdict(finals["exact"], finals["detached"], prompts)
+        out[f"mean_accuracy_after_step_0_{p}"] = verdict(areas["exact"], areas["detached"], prompts)
+    rewards = {m: [float(np.mean(r[-reward_window:])) for r in data[m]["reward"]] for m in MODES}
+    out["training_reward_last_steps"] = verdict(
+        rewards["exact"], rewards["detached"], prompts=4 * 8 * reward_window
+    )
+    # Per second: exact at the training seconds detached spent on all its steps (same seed).
+    at_time = []
+    for seconds_e, acc_e, seconds_d in zip(
+        data["exact"]["seconds"],
+        data["exact"]["accuracy"][p_star],
+        data["detached"]["seconds"],
+        strict=True,
+    ):
+        at_time.append(interpolate(min(seconds_d[-1], seconds_e[-1]), seconds_e, acc_e))
+    finals_d = [r[-1] for r in data["detached"]["accuracy"][p_star]]
+    out["per_second_accuracy"] = verdict(at_time, finals_d, prompts) | {
+        "detached_seconds": [s[-1] for s in data["detached"]["seconds"]],
+        "exact_seconds": [s[-1] for s in data["exact"]["seconds"]],
+    }
+    per_step = {m: [] for m in MODES}
+    for record in records:
+        per_step[record["mode"]].extend(training_seconds(r) for r in record["rows"])
+    median = {m: float(np.median(v)) for m, v in per_step.items()}
+    out["median_training_seconds_per_step"] = median
+    out["cost_ratio_exact_to_detached"] = median["exact"] / median["detached"]
+    return out
+
+
 def report(args, plan: dict) -> None:
     pre, base = (
         read_json(args.results / "pretrain.json"),
@@ -1095,6 +1186,11 @@ def report(args, plan: dict) -> None:
     for path in plot_all(pre, base, records, fid, args.img):
         log(f"wrote {path}")
     print(tables(pre, base, records, fid))
+    if {r["mode"] for r in records} == set(MODES):
+        result = analysis(records, base, load_grpo(plan)["eval_prompts"])
+        write_json(args.results / "analysis.json", result)
+        for metric, value in result.items():
+            print(metric, json.dumps(value))
 
 
 # --------------------------------------------------------------------------------------------

@@ -109,3 +109,15 @@ def test_curves_split_each_evaluation_by_prompt_length(bench):
     assert data["accuracy"][8] == [[0.25, 2 / 3]]
     assert data["accuracy"][16] == [[0.0, 1 / 3]]
     assert data["reward"] == [[0.1, 0.2]]
+
+
+def test_verdict_calls_a_difference_only_beyond_two_standard_errors(bench):
+    clear = bench.verdict([0.60, 0.62, 0.61], [0.40, 0.42, 0.41], prompts=200)
+    assert clear["verdict"] == "exact learns more"
+    # The seeds agree to 0.01, so the binomial error of 200 prompts per seed sets the resolution.
+    assert clear["se"] == pytest.approx(clear["binomial_se"])
+    assert clear["binomial_se"] == pytest.approx((0.51 * 0.49 / 200 * (2 / 3)) ** 0.5)
+    assert bench.verdict([0.45, 0.30, 0.60], [0.40, 0.41, 0.42], 200)["verdict"] == (
+        "no difference at this resolution"
+    )
+    assert bench.verdict([0.1, 0.1, 0.1], [0.3, 0.3, 0.3], 200)["verdict"] == "detached learns more"
