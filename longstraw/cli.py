@@ -149,6 +149,35 @@ def _refuse(error: Exception, debug: bool) -> NoReturn:
     raise typer.Exit(getattr(error, "exit_code", 2)) from None
 
 
+@app.command("eval")
+def eval_command(
+    config: Annotated[
+        Path, typer.Option(help="YAML run config whose eval section names the held-out prompts.")
+    ],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="Evaluate this checkpoint directory instead of model.checkpoint."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Also write the numbers as JSON here.")] = None,
+    debug: Annotated[
+        bool, typer.Option(help="Show the traceback of a configuration or input error.")
+    ] = False,
+) -> None:
+    """Answer the eval section's held-out prompts with a checkpoint, without training: the
+    numbers a run logs every train.eval_steps steps (greedy unless eval.do_sample)."""
+    from longstraw.errors import UserError
+    from longstraw.eval_entry import run_evaluation
+    from longstraw.schemas.run import ConfigError
+
+    try:
+        run_evaluation(config, checkpoint, out)
+    except (UserError, ConfigError) as error:
+        if debug:
+            raise
+        _error_line(str(error))
+        raise typer.Exit(getattr(error, "exit_code", 2)) from None
+
+
 def _error_line(message: str, prefix: str = "error: ") -> None:
     """One line on stderr, never wrapped or marked up by rich."""
     import sys

@@ -43,6 +43,7 @@ LEVELS = {
     "tasks": 10,
     "flows": 11,
     "train_entry": 12,
+    "eval_entry": 12,
     "cli": 13,
 }
 

@@ -344,11 +344,14 @@ def flat_grad(model: PreTrainedModel) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def naive_group_gradient(model: PreTrainedModel, batch: Batch) -> tuple[torch.Tensor, float]:
-    """The exact full-sequence gradient: every sequence's graph at once, TRL's batched loss."""
+def naive_group_gradient(
+    model: PreTrainedModel, batch: Batch, loss_config: GRPOConfig = LOSS_CONFIG
+) -> tuple[torch.Tensor, float]:
+    """The exact full-sequence gradient: every sequence's graph at once, TRL's batched loss
+    (`loss_config`: TRL's defaults unless a caller's run uses other settings)."""
     model.eval()
     logps = [
-        completion_logprobs(model, batch.prompt_ids, r, LOSS_CONFIG.temperature)
+        completion_logprobs(model, batch.prompt_ids, r, loss_config.temperature)
         for r in batch.responses
     ]
     num = max(r.numel() for r in batch.responses)
@@ -357,7 +360,7 @@ def naive_group_gradient(model: PreTrainedModel, batch: Batch) -> tuple[torch.Te
     for i, lp in enumerate(logps):
         logp_GT = logp_GT.index_put((torch.tensor([i]), torch.arange(lp.numel())), lp)
         mask_GT[i, : lp.numel()] = 1.0
-    loss, _ = group_loss(logp_GT, None, batch.advantages, mask_GT, LOSS_CONFIG)
+    loss, _ = group_loss(logp_GT, None, batch.advantages, mask_GT, loss_config)
     loss.backward()
     return flat_grad(model), float(loss.detach())
 

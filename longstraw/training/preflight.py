@@ -48,6 +48,15 @@ def preflight(config: RunConfig, resume: bool) -> None:
     check_free_space(config, lengths)
 
 
+def eval_preflight(config: RunConfig) -> None:
+    """`preflight` of a checkpoint's evaluation (`longstraw eval`): the model, and the held-out
+    prompts and their rewards; nothing of training (its data, storage, free space)."""
+    check_model(config)
+    check_data(config)
+    check_rewards(config)
+    _checked_prompts(config, "eval.data")
+
+
 def check_model(config: RunConfig) -> None:
     from longstraw.models.adapters import SUPPORTED_MODEL_TYPES
     from longstraw.models.hub import resolve_checkpoint
