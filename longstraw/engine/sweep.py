@@ -50,6 +50,7 @@ from longstraw.engine.recomputed_span import (
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
+from longstraw.models.lora import is_plain_linear
 from longstraw.ops.blockwise_backward import (
     BLOCK_TOKENS,
     GatedMlp,
@@ -113,16 +114,16 @@ def _is_silu(act: nn.Module) -> bool:
 
 def _gated_mlp_split(mlp: nn.Module) -> GatedMlp | OutputProjection | None:
     """How the blockwise backward may take a gated MLP (down_proj of act(gate_proj(x)) *
-    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free projections with a SiLU, else its
-    down projection by hand (`OutputProjection`); None for any other MLP."""
-    if not (
-        isinstance(getattr(mlp, "down_proj", None), nn.Linear) and _is_gated_mlp_class(type(mlp))
-    ):
+    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free plain linear projections with a
+    SiLU, else its down projection by hand (`OutputProjection`) when that one is a plain linear
+    layer; None for any other MLP. A projection that is not exactly `nn.Linear` (a LoRA
+    adapter's `lora.Linear`, any wrapper) adds to what its weight computes, so it is never taken
+    by hand: it runs as a module, and autograd differentiates it (`models.lora.is_plain_linear`).
+    """
+    if not (is_plain_linear(getattr(mlp, "down_proj", None)) and _is_gated_mlp_class(type(mlp))):
         return None
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if _is_silu(mlp.act_fn) and all(
-        isinstance(p, nn.Linear) and p.bias is None for p in projections
-    ):
+    if _is_silu(mlp.act_fn) and all(is_plain_linear(p) and p.bias is None for p in projections):
         return GatedMlp(*projections)
 
     def inner(x: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,17 @@ def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _gated_mlp_backward(
-    mlp: GatedMlp, x_BTC: torch.Tensor, grad_out_BTC: torch.Tensor, block_tokens: int, need_x: bool
+    mlp: GatedMlp,
+    x_BTC: torch.Tensor,
+    grad_out_BTC: torch.Tensor,
+    block_tokens: int,
+    need_x: bool,
+    need_weights: bool = True,
 ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-    """(dx [B, T, C] or None, {id(weight): its gradient, summed in fp32 or wider}) of `mlp` at
-    `x_BTC` against `grad_out_BTC`, `block_tokens` rows at a time.
+    """(dx [B, T, C] or None, {id(weight): its gradient, summed in fp32 or wider; empty without
+    `need_weights`}) of `mlp` at `x_BTC` against `grad_out_BTC`, `block_tokens` rows at a time.
+    Without `need_weights` (frozen weights: a LoRA run whose adapters sit elsewhere) a block
+    costs three matmuls instead of five.
 
     Per block of rows x [n, C], with G = [W_gate; W_up] [2I, C]:
         [gate, up] = x G^T;  h = silu(gate) * up;  dW_down = dy^T h;  dh = dy W_down
@@ -111,8 +118,10 @@ def _gated_mlp_backward(
     dx_NC = torch.empty_like(x_NC) if need_x else None
     # Summed over the blocks in fp32 at least (float64 for a float64 model).
     summed = torch.promote_types(dtype, torch.float32)
-    d_stacked = torch.zeros(stacked_IC.shape, dtype=summed, device=x_NC.device)
-    d_down = torch.zeros(down_CI.shape, dtype=summed, device=x_NC.device)
+    d_stacked = d_down = None
+    if need_weights:
+        d_stacked = torch.zeros(stacked_IC.shape, dtype=summed, device=x_NC.device)
+        d_down = torch.zeros(down_CI.shape, dtype=summed, device=x_NC.device)
     # Rows of a [B, T] batch are independent: blocks of `block_tokens` rows of the flattened
     # batch are what the other paths' [B, block_tokens] blocks are for B = 1.
     for start, end in _blocks(x_NC.shape[0], block_tokens):
@@ -121,7 +130,8 @@ def _gated_mlp_backward(
         gate_up = x @ stacked_IC.T
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         act = torch.nn.functional.silu(gate)
-        _add_product(d_down, dy.T, act * up)
+        if need_weights:
+            _add_product(d_down, dy.T, act * up)
         dh = dy @ down_CI
         d_gate_up = torch.empty_like(gate_up)
         torch.mul(dh, act, out=d_gate_up[:, inter:])
@@ -129,14 +139,17 @@ def _gated_mlp_backward(
         slope = torch.sigmoid(gate)
         slope.mul_(gate.neg().mul_(slope).add_(gate).add_(1.0))
         torch.mul(dh, up, out=d_gate_up[:, :inter]).mul_(slope)
-        _add_product(d_stacked, d_gate_up.T, x)
+        if need_weights:
+            _add_product(d_stacked, d_gate_up.T, x)
         if need_x:
             torch.matmul(d_gate_up, stacked_IC, out=dx_NC[start:end])
-    grads = {
-        id(mlp.gate.weight): d_stacked[:inter],
-        id(mlp.up.weight): d_stacked[inter:],
-        id(mlp.down.weight): d_down,
-    }
+    grads = {}
+    if need_weights:
+        grads = {
+            id(mlp.gate.weight): d_stacked[:inter],
+            id(mlp.up.weight): d_stacked[inter:],
+            id(mlp.down.weight): d_down,
+        }
     return (None if dx_NC is None else dx_NC.view_as(x_BTC)), grads
 
 
@@ -161,7 +174,7 @@ class _RowsRecomputedInBlocks(torch.autograd.Function):
         split: OutputProjection | GatedMlp | None = ctx.split
         if isinstance(split, GatedMlp):
             dx_BTC, by_weight = _gated_mlp_backward(
-                split, x_BTC, grad_out_BTC, ctx.block_tokens, need_x
+                split, x_BTC, grad_out_BTC, ctx.block_tokens, need_x, need_weights=bool(wanted)
             )
             return (None, None, None, dx_BTC, *_params_grads(ctx, by_weight))
         dx_BTC = torch.zeros_like(x_BTC) if need_x else None
