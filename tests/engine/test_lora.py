@@ -51,8 +51,11 @@ SHARD_TOKENS = 30
 # Sweep blocks of 24 tokens: several per shard, not aligned with the delta rule's 64-token chunks.
 SWEEP_BLOCK_TOKENS = 24
 RESPONSE_LENS = (9, 4, 13)
-# bf16 log-probs against peft's bf16 forward (docs/design.md's bf16 tolerance; measured: below).
-BF16_LOGP_ATOL = 2e-2
+# bf16 log-probs against peft's bf16 forward: docs/design.md's bf16 tolerance, as rtol and atol
+# (log-probs near -6). Measured max |diff|: llama 4.3e-3, qwen3_5 6.7e-3, qwen3_next 7.8e-3,
+# glm_moe_dsa 1.9e-2 (its absorbed attention rounds in another order than transformers'
+# expansion); fp32 at most 9.5e-7.
+BF16_LOGP_TOL = 2e-2
 
 
 def peft_logprobs(model, prompt, response, *, temperature: float = 1.0) -> torch.Tensor:
@@ -136,7 +139,7 @@ PARTIAL_TARGETS = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("targets", sorted(PARTIAL_TARGETS))
 def test_mlp_adapted_in_part_is_taken_apart_by_hand_and_by_autograd(
     lora_model, family, targets, monkeypatch
@@ -148,8 +151,15 @@ def test_mlp_adapted_in_part_is_taken_apart_by_hand_and_by_autograd(
     _check_against_float64(model, "exact", monkeypatch)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def _logprob_cases():
+    for family in FAMILIES:
+        yield pytest.param(family, torch.float32, id=f"fp32-{family}")
+        # bf16: the hybrid and GLM-5 in the quick suite, the other two with the slow tests.
+        slow = () if family in ("qwen3_5", "glm_moe_dsa") else (pytest.mark.slow,)
+        yield pytest.param(family, torch.bfloat16, marks=slow, id=f"bf16-{family}")
+
+
+@pytest.mark.parametrize(("family", "dtype"), _logprob_cases())
 def test_lora_logprobs_match_peft_forward(lora_model, family, dtype):
     model = lora_model(family, dtype=dtype)
     prompt, responses, _ = random_group(PROMPT_LEN, RESPONSE_LENS, vocab_of(model))
@@ -160,10 +170,17 @@ def test_lora_logprobs_match_peft_forward(lora_model, family, dtype):
         if dtype == torch.float32:
             assert_close(a, e, what=f"{family} fp32", rtol=FP32_RTOL, atol=FP32_ATOL)
         else:
-            assert_close(a, e, what=f"{family} bf16", rtol=0.0, atol=BF16_LOGP_ATOL)
+            assert_close(a, e, what=f"{family} bf16", rtol=BF16_LOGP_TOL, atol=BF16_LOGP_TOL)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_5",
+        "glm_moe_dsa",
+        *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen3_next")),
+    ],
+)
 def test_sampled_logprobs_with_adapters_match_peft_forward(lora_model, family):
     """Rollout decodes with the adapters: its sampler log-probs are peft's forward's."""
     model = lora_model(family)
