@@ -81,6 +81,7 @@ def with_lora(model: nn.Module, settings, *, seed: int):
     from peft import get_peft_model
 
     config = peft_lora_config(settings)
+    _check_no_unsupported_target(model, config)
     training = model.training
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # peft's own defaults for fused MoE projections that a model may not have, and a
@@ -99,7 +100,53 @@ def with_lora(model: nn.Module, settings, *, seed: int):
     # engine), so the adapters' dropout draws only where `adapter_dropout_training` asks.
     peft_model.train(training)
     check_lora_supported(peft_model)
+    _check_every_target_matched(peft_model, settings.target_modules)
     return peft_model
+
+
+# Layers an adapter cannot be trained on here, and why (peft may wrap some of them).
+_UNSUPPORTED_TARGETS = {
+    nn.Conv1d: "transformers' Gated DeltaNet reads its weight without calling the module, so an "
+    "adapter there would be skipped",
+    nn.Embedding: "LongStraw trains adapters on linear layers (and the MoE parameters peft wraps)",
+}
+
+
+def _check_no_unsupported_target(model: nn.Module, config) -> None:
+    """UserError naming the first module `config.target_modules` reaches that is a layer kind
+    LongStraw cannot train an adapter on (before peft, which words some of them otherwise)."""
+    if config.target_modules == "all-linear":
+        return  # linear layers (and the MoE parameters peft wraps) only
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    for name, module in model.named_modules():
+        why = next(
+            (w for kind, w in _UNSUPPORTED_TARGETS.items() if isinstance(module, kind)), None
+        )
+        if why is not None and check_target_module_exists(config, name):
+            raise UserError(
+                f"model.lora.target_modules reaches {name} ({type(module).__name__}): {why} — "
+                f"leave {name.rsplit('.', 1)[-1]} out of model.lora.target_modules (or add it "
+                "to model.lora.exclude_modules)"
+            )
+
+
+def _check_every_target_matched(model: nn.Module, targets) -> None:
+    """UserError naming a module name of `target_modules` (a list) that no adapter sits on: peft
+    only refuses a list none of whose names matches."""
+    if isinstance(targets, str):
+        return
+    names = [name for name, _ in adapter_layers(model)]
+    parameters = {getattr(layer, "parameter_name", None) for _, layer in adapter_layers(model)}
+    for target in targets:
+        if target in parameters or any(n == target or n.endswith(f".{target}") for n in names):
+            continue
+        adapted = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise UserError(
+            f"model.lora.target_modules names {target}, but no adapter was placed there: the "
+            f"model has no such linear layer (the others reached: {', '.join(adapted)}) — remove "
+            f"{target} from model.lora.target_modules, or use `all-linear`"
+        )
 
 
 def load_lora(model: nn.Module, adapter_dir: str | Path):
@@ -125,11 +172,13 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     found = []
+    inside = None  # the last layer found: modules below it come next (depth-first order)
     for name, module in model.named_modules():
-        if isinstance(module, BaseTunerLayer) and not any(
-            name.startswith(f"{outer}.") for outer, _ in found
-        ):
+        if inside is not None and name.startswith(inside):
+            continue
+        if isinstance(module, BaseTunerLayer):
             found.append((name, module))
+            inside = f"{name}."
     return found
 
 
