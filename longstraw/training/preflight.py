@@ -125,10 +125,11 @@ def lora_meta_model(config: RunConfig):
     if config.model.lora.lora_dropout > 0:
         for name, _layer in adapter_layers(peft_model):
             if name.endswith("kv_b_proj"):
+                module = name.removeprefix("base_model.model.")
                 raise UserError(
                     f"model.lora.lora_dropout is {config.model.lora.lora_dropout} and "
-                    f"model.lora.target_modules reaches {name}: GLM-5's absorbed attention never "
-                    "forms kv_b_proj's input, so dropout there cannot be applied — set "
+                    f"model.lora.target_modules reaches {module}: GLM-5's absorbed attention "
+                    "never forms kv_b_proj's input, so dropout there cannot be applied — set "
                     "model.lora.lora_dropout: 0, or add kv_b_proj to model.lora.exclude_modules"
                 )
     _LORA_META[key] = peft_model
