@@ -218,6 +218,41 @@ def is_plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
+def linear_parts(module: nn.Module) -> tuple[nn.Linear, tuple | None] | None:
+    """(the plain `nn.Linear` under `module`, its adapter as (A [r, in], B [out, r], scale) or
+    None) when `module` computes exactly `base(x) + scale · (x Aᵀ) Bᵀ`: a plain linear layer, or
+    a peft `lora.Linear` with at most one active adapter, no dropout drawing masks, no LoRA
+    variant and no bias on B. None for anything else (its module must be called)."""
+    if is_plain_linear(module):
+        return module, None
+    peft = _peft()
+    if peft is None:
+        return None
+    from peft.tuners import lora
+
+    if not (isinstance(module, lora.Linear) and is_plain_linear(module.base_layer)):
+        return None
+    if module.merged:
+        return None
+    if module.disable_adapters:
+        return module.base_layer, None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) > 1:
+        return None
+    if not active:
+        return module.base_layer, None
+    (name,) = active
+    dropout = module.lora_dropout[name]
+    drawing = isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+    if name in module.lora_variant or drawing or module.lora_B[name].bias is not None:
+        return None
+    return module.base_layer, (
+        module.lora_A[name].weight,
+        module.lora_B[name].weight,
+        float(module.scaling[name]),
+    )
+
+
 def linear_weight(module: nn.Module, *, where: str) -> torch.Tensor:
     """The [out, in] weight `module` multiplies its input by, for a path that uses the weight
     instead of calling the module (`where` names it in errors).

@@ -129,25 +129,28 @@ def test_lora_detached_gradient_matches_float64_cached_path_per_adapter(
     _check_against_float64(lora_model(family), "detached", monkeypatch)
 
 
-# Adapters on part of a gated MLP: the sweep's blockwise backward takes the plain projections
-# by hand and leaves the adapted ones to autograd (`engine.sweep._gated_mlp_split`).
+# Adapters on a gated MLP: the sweep's blockwise backward takes plain projections and peft's
+# `lora.Linear` ones (their low-rank path included) by hand (`engine.sweep._gated_mlp_split`).
 PARTIAL_TARGETS = {
     # MLP untouched: all three projections by hand, their (frozen) weights get no gradient.
-    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    # gate / up adapted: the down projection by hand, gate / up through autograd.
-    "gate_up": ("q_proj", "v_proj", "gate_proj", "up_proj"),
+    "attention": (("q_proj", "k_proj", "v_proj", "o_proj"), (False, False, False)),
+    # gate / up adapted: their adapters by hand beside the frozen down projection.
+    "gate_up": (("q_proj", "v_proj", "gate_proj", "up_proj"), (True, True, False)),
+    # every projection adapted (`all-linear`).
+    "all": ("all-linear", (True, True, True)),
 }
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("targets", sorted(PARTIAL_TARGETS))
-def test_mlp_adapted_in_part_is_taken_apart_by_hand_and_by_autograd(
-    lora_model, family, targets, monkeypatch
-):
-    model = lora_model(family, list(PARTIAL_TARGETS[targets]))
-    layers = unwrapped(model).model.layers
-    splits = {type(sweep._gated_mlp_split(layer.mlp)).__name__ for layer in layers}
-    assert splits == {"GatedMlp" if targets == "attention" else "OutputProjection"}
+def test_mlp_adapters_are_taken_by_hand_in_the_sweep(lora_model, family, targets, monkeypatch):
+    names, adapted = PARTIAL_TARGETS[targets]
+    model = lora_model(family, names if isinstance(names, str) else list(names))
+    for layer in unwrapped(model).model.layers:
+        split = sweep._gated_mlp_split(layer.mlp)
+        assert type(split).__name__ == "GatedMlp", split
+        assert tuple(lr is not None for lr in split.low_rank) == adapted
+        assert not any(p.weight.requires_grad for p in (split.gate, split.up, split.down))
     _check_against_float64(model, "exact", monkeypatch)
 
 
@@ -237,8 +240,9 @@ def test_unknown_linear_wrapper_on_glm_kv_b_proj_fails_loudly(load_tiny):
 
 
 def test_unknown_linear_wrapper_in_a_gated_mlp_is_differentiated_by_autograd():
-    """The sweep's MLP backward takes by hand only exact `nn.Linear` projections: a subclass is
-    left to autograd, so what its forward adds is differentiated too."""
+    """The sweep's MLP backward takes by hand only exact `nn.Linear` projections (and peft's
+    adapters on them): a subclass is left to autograd, so what its forward adds is
+    differentiated too."""
 
     class Mlp(torch.nn.Module):
         def __init__(self, down):
