@@ -12,8 +12,10 @@ the engine computes by hand reads weights instead of calling modules; there:
   adapters get their gradient through it), and for any other wrapper an error naming the module
   — never the base weight of a layer whose wrapper adds something (GLM-5's absorbed latent
   attention reads `kv_b_proj` this way);
-- `is_plain_linear(module)` tells the blockwise MLP backward which projections it may take by
-  hand; any other projection is differentiated by autograd through its module.
+- `linear_parts(module)` gives the blockwise MLP backward a projection's plain base layer and
+  its adapter's factors (A, B, scale), whose low-rank path it then takes by hand; a projection
+  it cannot split so (`is_plain_linear` false, and not such an adapter) runs as a module and
+  autograd differentiates it.
 
 `unwrapped(model)` is the transformers model under a `PeftModel`, which the engine runs; the
 `PeftModel` is what saves the adapters in peft's format (`save_adapter`) and what disables them
