@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo test lint bench clean-demo
+.PHONY: demo test test-fast lint bench clean-demo gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 
+# The fast subset (tests/README.md): leaves out the tests that start processes (other ranks, a
+# `longstraw` CLI or a Python child, a server), need the S3 or Prefect servers, or are slow.
+FAST := not slow and not processes and not s3 and not prefect
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile -m "$(FAST)"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check longstraw tests bench
 	$(VENV)/bin/ruff format --check longstraw tests bench
 
 bench: $(STAMP)
 	$(VENV)/bin/longstraw bench --help
+
+# The wheels the GPU machine's image lacks (bench/gpu_wheels.txt), for its Python 3.12, into
+# bench/gpu_wheels/ (ignored by git): the device call carries that folder (docs/benchmarks.md, GPU).
+gpu-wheels:
+	python3 bench/gpu_wheels.py

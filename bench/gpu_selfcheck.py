@@ -42,7 +42,9 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -545,7 +547,6 @@ def scale_section(ctx: Context, budget: Budget, record: dict) -> None:
     from longstraw.ops import dispatch
 
     cfg = ctx.config
-    model = ctx.model("qwen3_5", getattr(torch, cfg.scale_dtype), cfg.scale_size)
     prefills, rows = record.setdefault("prefill", []), record.setdefault("rows", [])
     growth = record.setdefault("group_growth", [])
     dispatch.reset_log()
@@ -556,6 +557,8 @@ def scale_section(ctx: Context, budget: Budget, record: dict) -> None:
             prefills.append({**base, "status": reason})
             continue
         try:
+            # Loaded once (cached), after the first length that fits: a spent budget builds none.
+            model = ctx.model("qwen3_5", getattr(torch, cfg.scale_dtype), cfg.scale_size)
             prompt, _, _ = _group(model.config.vocab_size, 1, prompt_len, ctx.device)
             ctx.synchronize()
             ctx.reset_peak()
@@ -699,13 +702,40 @@ def _torch_flags() -> dict:
     return flags
 
 
-def _environment(device: torch.device) -> dict:
+def _installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it; None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _error(exc)
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else None
+
+
+def environment(device: torch.device) -> dict:
+    """Versions of what runs the check: Python, torch and its CUDA, transformers, the kernel
+    packages (None: not installed); on CUDA the card, its capability and memory, the driver."""
     import transformers
+
+    from longstraw.models.kernels import GPU_KERNELS
 
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
+        "kernel_packages": {
+            dist: _installed_version(dist) for dist in (*GPU_KERNELS.values(), "triton")
+        },
         "device": str(device),
         "cuda_available": torch.cuda.is_available(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -717,7 +747,7 @@ def _environment(device: torch.device) -> dict:
             device_name=props.name,
             capability=f"{props.major}.{props.minor}",
             device_memory_bytes=props.total_memory,
-            cuda=torch.version.cuda,
+            driver=_driver_version(),
         )
     return env
 
@@ -794,7 +824,8 @@ def markdown(report: dict) -> str:
         "# LongStraw GPU self-check",
         "",
         f"mode `{report['mode']}`, device `{env['device']}` {env.get('device_name', '')}, "
-        f"torch {env['torch']}, transformers {env['transformers']}; "
+        f"driver {env.get('driver')}, torch {env['torch']} (CUDA {env.get('cuda')}), "
+        f"transformers {env['transformers']}; "
         f"{report['seconds']:.0f} s; torch settings unchanged: {report['settings_unchanged']}",
     ]
     for title, section, key, columns in _TABLES:
@@ -811,15 +842,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _import_engine() -> None:
+    """Import what every section uses before any section's clock starts: a cold import of the
+    engine and transformers' modeling code takes seconds (over 10 on a loaded 2-core CPU),
+    which is no section's work and would eat a short budget."""
+    import longstraw.engine
+    import longstraw.models.checkpoint
+    import longstraw.models.factory  # noqa: F401
+
+
 def run(config: SelfCheckConfig, device: torch.device, out: Path, sections, mode: str) -> dict:
     """Run `sections` in order, writing the JSON and markdown after each; returns the report."""
     out.mkdir(parents=True, exist_ok=True)
+    _import_engine()
     before = _torch_flags()
     started = time.perf_counter()
     report = {
         "mode": mode,
         "config": config.model_dump(),
-        "environment": _environment(device),
+        "environment": environment(device),
         "sections": {},
     }
     with tempfile.TemporaryDirectory(prefix="longstraw-selfcheck-") as scratch:

@@ -1,12 +1,14 @@
 """`longstraw` command line: train, init-model, merge, state …, bench ….
 
-Heavy imports (torch, transformers, prefect) happen inside the commands so that `--help` is fast.
+Heavy imports (torch, transformers, prefect) happen inside the commands, after the config and
+the flags are read and validated: `--help` and a config error answer without them
+(tests/test_cli_imports.py checks that none is imported).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -78,8 +80,21 @@ def merge_command(
     console.print(f"[green]wrote[/green] {path}  (the base with the adapters of {adapter} merged)")
 
 
+CONFIG_OPTIONS: dict[str, str] = {
+    "steps": "train.num_steps",
+    "run_id": "run_id",
+    "root": "storage.root_uri",
+    "world_size": "parallel.world_size",
+    "data_parallel": "parallel.data_parallel",
+}
+"""`longstraw train` options that set one config field each: parameter name → dotted field. They
+are merged field by field onto the config (`schemas.run.command_line_config`): any of them
+combine, two of one section included."""
+
+
 @app.command("train")
 def train_command(
+    ctx: typer.Context,
     config: Annotated[
         Path | None,
         typer.Option(help="YAML run config (see docs/config.md); default: the embedded demo."),
@@ -116,19 +131,28 @@ def train_command(
 ) -> None:
     """Run GRPO training. With no arguments: the embedded default (no server, local storage,
     a tiny checkpoint it builds itself, the synthetic long-context task)."""
+    from longstraw.schemas.run import ConfigError, command_line_config
+
+    flags = {
+        field: ctx.params[name]
+        for name, field in CONFIG_OPTIONS.items()
+        if ctx.params[name] is not None
+    }
+    try:
+        # Before torch, transformers and Prefect are imported (10-15 s on a busy 2-core machine):
+        # a config error answers in about a second.
+        run_config = command_line_config(config, flags)
+    except ConfigError as error:
+        _refuse(error, debug)
     from longstraw.errors import UserError
-    from longstraw.schemas.run import ConfigError
     from longstraw.train_entry import Interrupted, run_training, say_interrupted
 
     try:
         run_training(
+            run_config,
             config_path=config,
+            flags=flags,
             resume=resume,
-            steps=steps,
-            run_id=run_id,
-            root=root,
-            world_size=world_size,
-            data_parallel=data_parallel,
             use_prefect=not no_prefect,
             debug=debug,
         )
@@ -136,12 +160,17 @@ def train_command(
         say_interrupted("; ".join(part.strip() for part in str(stop).splitlines()))
         raise typer.Exit(stop.exit_code) from None
     except (UserError, ConfigError) as error:
-        if debug:
-            raise
-        # Notes: what else the failure left to do (a lease that could not be removed).
-        _error_line("; ".join([str(error), *getattr(error, "__notes__", ())]))
-        # 2: the config or the input; a storage fault has its own status (74, EX_IOERR).
-        raise typer.Exit(getattr(error, "exit_code", 2)) from None
+        _refuse(error, debug)
+
+
+def _refuse(error: Exception, debug: bool) -> NoReturn:
+    """A user error as its one line on stderr, and the exit status it carries (2: the config or
+    the input; a storage fault has its own, 74, EX_IOERR); with --debug, its traceback."""
+    if debug:
+        raise error
+    # Notes: what else the failure left to do (a lease that could not be removed).
+    _error_line("; ".join([str(error), *getattr(error, "__notes__", ())]))
+    raise typer.Exit(getattr(error, "exit_code", 2)) from None
 
 
 def _error_line(message: str, prefix: str = "error: ") -> None:
@@ -159,8 +188,8 @@ def _mount_optional_apps() -> None:
         state_app, name="state", help="Inspect, verify and garbage-collect persisted prompt states."
     )
     try:
-        from longstraw.bench.commands import bench_app
-    except ImportError:  # benchmarks are optional in a stripped install
+        from bench.grpo.commands import bench_app
+    except ImportError:  # the benchmarks live in a checkout (bench/), not in the wheel
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks against full-sequence GRPO and TRL.")
 

@@ -14,15 +14,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from longstraw.console import cli_console
-from longstraw.schemas.run import RunConfig, load_run_config, merged, validated_run_config
+from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.training.storage_faults import VOLUME_FAULTS, storage_fault
 
@@ -59,37 +60,12 @@ def configure_prefect_logging(environ) -> None:
 
 
 def resolve_config(
-    config_path: Path | None,
-    *,
-    steps: int | None,
-    run_id: str | None,
-    root: str | None,
-    resume: bool,
-    world_size: int | None = None,
-    data_parallel: int | None = None,
+    config: RunConfig, *, config_path: Path | None, flags: Mapping[str, Any], resume: bool
 ) -> RunConfig:
-    identity = {} if run_id is None else {"run_id": run_id}
-    config = (
-        load_run_config(config_path, **identity)
-        if config_path
-        else validated_run_config(identity, "command-line options")
-    )
-    # Merged section by section as the flow merges its overrides (`schemas.run.merged`), and
-    # validated as the command line's: `--steps 0` is refused naming the option's field.
-    updates = {
-        section: {field: value}
-        for section, field, value in (
-            ("train", "num_steps", steps),
-            ("storage", "root_uri", root),
-            ("parallel", "world_size", world_size),
-            ("parallel", "data_parallel", data_parallel),
-        )
-        if value is not None
-    }
-    if updates:
-        config = validated_run_config(merged(config.model_dump(), updates), "command-line options")
+    """The config `longstraw train` runs: `config` (the file and the flags,
+    `schemas.run.command_line_config`), checked against what the run's storage already holds."""
     exists = latest_checkpoint(config.storage, config.run_id) is not None
-    if exists and not resume and config_path is None and run_id is None:
+    if exists and not resume and config_path is None and "run_id" not in flags:
         # The embedded demo never collides with an earlier demo run: give it a fresh id.
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         return config.model_copy(update={"run_id": f"{config.run_id}-{stamp}"})
@@ -276,17 +252,16 @@ def resume_command(
 
 
 def run_training(
+    config: RunConfig,
     *,
     config_path: Path | None,
+    flags: Mapping[str, Any],
     resume: bool,
-    steps: int | None,
-    run_id: str | None,
-    root: str | None,
-    world_size: int | None = None,
-    data_parallel: int | None = None,
     use_prefect: bool = True,
     debug: bool = False,
 ) -> list:
+    """Train `config` (the file at `config_path` with the command line's `flags` merged onto it:
+    `schemas.run.command_line_config`, which the CLI calls before it imports torch)."""
     configure_prefect_environment(Path.cwd() / ".longstraw")
     interrupted = _Signals()
     # Registered before Prefect is imported, so it runs after Prefect's own exit hooks (LIFO):
@@ -295,15 +270,9 @@ def run_training(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    config = resolve_config(
-        config_path,
-        steps=steps,
-        run_id=run_id,
-        root=root,
-        resume=resume,
-        world_size=world_size,
-        data_parallel=data_parallel,
-    )
+    config = resolve_config(config, config_path=config_path, flags=flags, resume=resume)
+    # What the user typed, for the line that says how to resume the run.
+    run_id, root = flags.get("run_id"), flags.get("storage.root_uri")
     from longstraw.training.run_lease import run_lease
     from longstraw.training.run_start import preflight
 
@@ -422,7 +391,7 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 if not debug:
                     import logging
 
-                    from longstraw.orchestration.console import (
+                    from longstraw.flows.console import (
                         hide_replaced_interrupts_on_console,
                         hide_user_errors_on_console,
                     )

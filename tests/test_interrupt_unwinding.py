@@ -13,7 +13,15 @@ import signal
 import pytest
 
 from longstraw import train_entry
+from longstraw.schemas.run import command_line_config
 from longstraw.train_entry import Interrupted, run_training
+
+
+def _run_training(run_id: str, tmp_path):
+    """`longstraw train --steps 1 --run-id <run_id> --root <tmp>/root`, as the CLI calls it."""
+    flags = {"train.num_steps": 1, "run_id": run_id, "storage.root_uri": str(tmp_path / "root")}
+    config = command_line_config(None, flags)
+    return run_training(config, config_path=None, flags=flags, resume=False)
 
 
 def _signal_then_fail(unwinding_error: Exception):
@@ -54,9 +62,7 @@ def test_an_error_raised_while_the_interrupt_unwinds_ends_as_the_interrupt(
     monkeypatch.setattr(train_entry, "_run", _signal_then_fail(ValueError("Task run is not set")))
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as stopped:
-        run_training(
-            config_path=None, resume=False, steps=1, run_id="unwind", root=str(tmp_path / "root")
-        )
+        _run_training("unwind", tmp_path)
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert str(stopped.value).startswith("interrupted by SIGTERM: run 'unwind' stopped")
     assert "--run-id unwind" in str(stopped.value) and str(stopped.value).endswith("--resume")
@@ -90,9 +96,7 @@ def test_a_termination_signal_replaced_inside_a_flow_run_ends_as_the_interrupt(
 
     monkeypatch.setattr(train_entry._Signals, "note", noted)
     with pytest.raises(Interrupted) as stopped:
-        run_training(
-            config_path=None, resume=False, steps=1, run_id="bridge", root=str(tmp_path / "root")
-        )
+        _run_training("bridge", tmp_path)
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert str(stopped.value).startswith("interrupted by SIGTERM: run 'bridge' stopped")
     assert armed == [signal.SIGTERM], "the watchdog and the exit hook were not armed"
@@ -107,6 +111,4 @@ def test_an_error_without_a_signal_is_not_taken_for_an_interrupt(
 
     monkeypatch.setattr(train_entry, "_run", fails)
     with pytest.raises(ValueError, match="Task run is not set"):
-        run_training(
-            config_path=None, resume=False, steps=1, run_id="plain", root=str(tmp_path / "root")
-        )
+        _run_training("plain", tmp_path)

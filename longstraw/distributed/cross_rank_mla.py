@@ -423,7 +423,7 @@ def sharded_mla_forward(
         # attention below are already bottom-right aligned, as single-process; no backward.
         raise RuntimeError(
             "decoding over a sequence-sharded prefix runs replicated and without autograd "
-            "(longstraw.distributed.sharded_rollout); replay the sampled responses for gradients"
+            "(engine.rollout over CrossRankExchange); replay the sampled responses for gradients"
         )
     if self.indexer is not None:
         selected = sharded_dsa_selection(

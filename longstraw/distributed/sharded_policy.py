@@ -4,7 +4,7 @@ With `parallel.world_size: N` every rank of the run holds, between steps, 1/N of
 parameter (dim-0 rows, `torch.chunk` layout: `fully_shard` over the flattened ("data", "seq")
 mesh, global rank g holding chunk g whatever the number of data-parallel replicas), the matching
 fp32 AdamW moments and masters; it accumulates its replica's rows of each group's gradient
-(`sharded_group_gradient_slices`), which `replica_gradients.sum_over_replicas` turns into
+(`engine.group.group_gradient`'s sink over the ranks), which `replica_gradients.sum_over_replicas` turns into
 exactly its chunk when there are several replicas. So the
 optimizer state and gradient accumulators — 16 bytes per parameter in fp32 AdamW, against 2
 for the bf16 weights — are divided by N, which is what lets a 27B policy train on 8 devices.

@@ -187,7 +187,7 @@ def sweep_forward(model: PreTrainedModel, exchange: PrefixExchange = LOCAL) -> I
     run during backward, outside the caller's blocks, and enter this again.
     """
     with (
-        exchange.attention_enabled(model),
+        exchange.layers.attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: SWEEP_BLOCK_TOKENS),
         mlps_recomputed_in_blocks(model),
     ):
@@ -257,17 +257,17 @@ def sweep_prompt_shards(
         # Every rank replayed the same branches; only the last rank's copy is the real dS.
         cotangent.conv.zero_()
         cotangent.recurrent.zero_()
-    with exchange.attention_enabled(model):
+    with exchange.layers.attention_enabled(model):
         for shard in reversed(range(state.num_shards)):
             if state.owner_of(shard) == state.rank:
                 sweep_shard(model, state, cotangent, shard, exchange)
-                exchange.finish_owned_shard(state)
+                exchange.shards.finish_owned_shard(state)
                 if after_shard is not None:
                     after_shard(shard)
             else:
-                exchange.serve_shard(model, state, shard, cotangent, on_gradient_slices)
+                exchange.shards.serve_shard(model, state, shard, cotangent, on_gradient_slices)
             if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
-                exchange.hand_back_start_cotangent(state, cotangent, shard)
+                exchange.shards.hand_back_start_cotangent(state, cotangent, shard)
 
 
 # What a mismatch between the recomputed and the stored prompt state means.
@@ -296,20 +296,27 @@ def sweep_shard(
         checkpoint=state.local_checkpoint(shard),
         leaves=leaves,
         record=outputs,
-        kind_kwargs=exchange.owner_kind_kwargs(state, shard),
+        kind_kwargs=exchange.layers.owner_kwargs(state, shard),
     )
     with first_pass_outputs_kept(_in_shard_backward):
-        with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
+        # Each decoder layer keeps only its input and recomputes in backward, where the
+        # placement allows it (on ranks a layer's recomputation would read the prefix again).
+        recompute = (
+            layerwise_recompute(model)
+            if exchange.shards.recomputes_layers
+            else contextlib.nullcontext()
+        )
+        with torch.enable_grad(), sweep_forward(model, exchange), recompute:
             cache = StateCache(layers, position_offset=start)
             run_shard_forward(model, state.prompt_ids, cache, start, end)
-        with exchange.attention_enabled(model), _mlp_skipped_in_layer_recompute():
+        with exchange.layers.attention_enabled(model), _mlp_skipped_in_layer_recompute():
             backward_recomputed_span(
                 outputs,
                 state,
                 cotangent,
                 rows=state.local_rows(start, end),
                 end_checkpoint=state.local_checkpoint(shard) + 1,
-                what=exchange.shard_name(state, shard),
+                what=exchange.shards.shard_name(state, shard),
                 remedy=STATE_MISMATCH_REMEDY,
             )
     take_start_cotangent(leaves, cotangent)

@@ -8,15 +8,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags
 
+from longstraw.audit.completions import RunCompletions
+from longstraw.audit.curves import publish_run_curves
+from longstraw.audit.names import run_tags, step_tags
 from longstraw.flows.grpo_step import grpo_step
-from longstraw.orchestration.completions import RunCompletions
-from longstraw.orchestration.curves import publish_run_curves
-from longstraw.orchestration.names import run_tags, step_tags
-from longstraw.orchestration.stages import open_run
 from longstraw.schemas.overrides import RunConfigOverrides, as_overrides
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.config_files import read_run_config
+from longstraw.tasks.stages import open_run
 from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training import progress
 from longstraw.training.run_start import preflight, run_opened
@@ -27,14 +27,14 @@ def run_config(
     config_file: str | None,
     deployment_config: RunConfigOverrides | dict[str, Any] | None = None,
 ) -> RunConfig:
-    """The run's config: `config_file` (a path or URI) with `config` merged onto it as overrides,
-    or `config` alone (every unset field at its default). `deployment_config`: the `config` of
-    the deployment the run was created from, under the run's own (Prefect replaces a parameter
-    whole; the run's `config` is merged onto the deployment's key by key instead)."""
-    overrides = merged(as_overrides(deployment_config), as_overrides(config))
+    """The run's config: `config_file` (a path or URI) or, without one, the defaults; then the
+    `config` of the deployment the run was created from; then the run's own `config`. Each is
+    merged field by field onto the config the ones before it give (`schemas.run.merged`), so an
+    override changes only what it names (Prefect alone would replace the parameter whole)."""
+    layers = (as_overrides(deployment_config), as_overrides(config))
     if config_file is not None:
-        return read_run_config(config_file, overrides)
-    return validated_run_config(overrides, "flow parameter `config`")
+        return read_run_config(config_file, *layers)
+    return validated_run_config(merged({}, *layers), "flow parameter `config`")
 
 
 def deployment_config() -> dict[str, Any] | None:
@@ -56,7 +56,7 @@ def train_run_name() -> str:
     from prefect.runtime import flow_run
 
     parameters = flow_run.parameters
-    config = merged(as_overrides(deployment_config()), as_overrides(parameters.get("config")))
+    config = merged({}, as_overrides(deployment_config()), as_overrides(parameters.get("config")))
     run_id = config.get("run_id")
     name = run_id or Path(parameters.get("config_file") or "longstraw-train").stem
     return f"{name} resumed" if parameters.get("resume") else name
@@ -71,9 +71,9 @@ def train(
     """Run `num_steps` GRPO steps (continuing after the latest checkpoint with `resume`).
 
     `config_file` names a YAML run config (a path or URI: in the image, on a volume, in S3);
-    `config` holds overrides merged onto it section by section (`{"run_id": "x"}` changes the
-    run id and nothing else), or the whole config when there is no file. A run of a deployment
-    merges its `config` onto the deployment's the same way.
+    `config` holds overrides merged onto it field by field (`{"run_id": "x"}` changes the run id
+    and nothing else), or onto the defaults when there is no file. A run of a deployment merges
+    its `config` onto the config the deployment would run, the same way.
     """
     logger = get_run_logger()
     announce_flow_run()

@@ -41,6 +41,15 @@ a section left out entirely takes those defaults too, except for the settings no
 heading. Unknown keys and out-of-range values are errors that name the field by its dotted path
 (`grpo.epsilon_high`). `examples/run.yaml` is a complete example.
 
+Overrides laid over a config — `longstraw train`'s flags (`--steps`, `--world-size`, ...), a
+Prefect deployment's `config` and a run's `config` (docs/orchestration.md) — change only the
+fields they name, merged one by one onto the config they override as it would run: a section the
+file leaves out starts from its default here (`{{"grpo": {{"beta": 0.1}}}}` keeps the demo's
+learning rate), a `type`-tagged section (`data`, `eval.data`) keeps its `type` unless the
+override names another (then it replaces the section whole), and a mapping such as
+`agent.environment_args` merges key by key. Within the file itself a section that is given is
+read as written: its keys left out take the defaults in its table.
+
 GRPO settings keep the names and defaults of TRL's `GRPOConfig`; optimiser settings keep the
 names of transformers' `TrainingArguments`.
 """

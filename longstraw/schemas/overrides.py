@@ -1,12 +1,14 @@
 """Partial run configs: the `config` parameter of the `train` flow, typed field by field.
 
-`RunConfigOverrides` has the fields of `RunConfig`, each section a partial of its own, every
-field optional: a deployment run that names `{"train": {"num_steps": 1}}` sets that one field
-and nothing else. As the flow's type hint it gives Prefect a parameter schema that lists the
-config's sections and fields (the UI's Custom-run form shows them, with their docstrings), and an
-unknown or misspelt key is refused when the run is created. `data` and `agent` stay mappings:
-which fields they take depends on their `type` or environment, so a partial of them is merged
-as it is.
+`RunConfigOverrides` has the fields of `RunConfig`, each section (optional ones too: `eval`,
+`agent`) a partial of its own, every field optional: a deployment run that names
+`{"train": {"num_steps": 1}}` sets that one field and nothing else — merged onto the effective
+config by `longstraw.schemas.merge` (a section the deployment leaves out starts from its default,
+a tagged section keeps its `type`). As the flow's type hint it gives Prefect a parameter schema
+that lists the config's sections and fields (the UI's Custom-run form shows them, with their
+docstrings), and an unknown or misspelt key is refused when the run is created. Tagged sections
+(`data`, `eval.data`) stay mappings: which fields they take depends on their `type`, which a
+partial may leave to the base.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from longstraw.schemas.merge import field_sections
 from longstraw.schemas.run import RunConfig
-
-_AS_MAPPINGS = frozenset({"data", "agent"})
-"""RunConfig fields whose overrides are plain mappings (unions: no single partial shape)."""
 
 
 class _Partial(BaseModel):
@@ -29,20 +29,16 @@ class _Partial(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
-def _section_type(annotation: Any) -> type[BaseModel] | None:
-    return (
-        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    )
-
-
 def partial_model(model: type[BaseModel], name: str) -> type[_Partial]:
-    """`model` with every field optional (default None) and every section field a partial."""
+    """`model` with every field optional (default None), every section field (optional or not) a
+    partial, and every tagged section a mapping."""
     fields: dict[str, Any] = {}
     for field_name, info in model.model_fields.items():
-        section = _section_type(info.annotation)
-        if field_name in _AS_MAPPINGS and model is RunConfig:
+        sections = field_sections(info)
+        if len(sections) > 1:
             annotation: Any = dict[str, Any] | None
-        elif section is not None:
+        elif sections:
+            section = sections[None]
             annotation = partial_model(section, f"{section.__name__}Overrides") | None
         else:
             annotation = info.annotation | None

@@ -7,6 +7,7 @@ the field rather than a silently ignored setting. GRPO knobs keep TRL's names (`
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +23,7 @@ from pydantic import (
 
 from longstraw.schemas.data import HaystackTaskConfig
 from longstraw.schemas.grpo import GRPOConfig
+from longstraw.schemas.merge import merge_fields, nested, tags_at
 from longstraw.schemas.storage import StorageConfig
 from longstraw.schemas.tracking import TrackingConfig
 
@@ -423,20 +425,16 @@ class ConfigError(ValueError):
     """A run configuration file that cannot be used, with every offending field named."""
 
 
-def merged(base: dict, overrides: dict) -> dict:
-    """`base` with `overrides` merged in, section by section (a nested mapping merges into the
-    base's mapping; anything else replaces it)."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = value
-    return out
+def merged(base: dict, *layers: dict) -> dict:
+    """`base` (a run config mapping, whole or partial) with each of `layers` merged onto it in
+    order, field by field onto the effective values (`longstraw.schemas.merge`): a layer changes
+    only the fields it names."""
+    return merge_fields(RunConfig, base, *layers)
 
 
-def parse_run_config(text: str, source: str, overrides: dict | None = None) -> RunConfig:
-    """A RunConfig from YAML `text` (named `source` in errors) with `overrides` merged in."""
+def parse_run_config(text: str, source: str, *layers: dict) -> RunConfig:
+    """A RunConfig from YAML `text` (named `source` in errors) with each of `layers` (overrides)
+    merged onto it in order."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -451,7 +449,7 @@ def parse_run_config(text: str, source: str, overrides: dict | None = None) -> R
         raise ConfigError(
             f"{source} must hold a mapping of sections (model:, grpo:, ...), got {type(raw).__name__}"
         )
-    return validated_run_config(merged(raw, overrides or {}), source)
+    return validated_run_config(merged(raw, *layers), source)
 
 
 def validated_run_config(raw: dict, source: str) -> RunConfig:
@@ -462,8 +460,18 @@ def validated_run_config(raw: dict, source: str) -> RunConfig:
         lines = [f"{source}: {error.error_count()} invalid setting(s):"]
         for item in error.errors():
             where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-            lines.append(f"  {where}: {item['msg']}")
+            lines.append(f"  {where}: {_error_message(item)}")
         raise ConfigError("\n".join(lines)) from error
+
+
+def _error_message(item: dict) -> str:
+    """pydantic's message, or where it does not say what to change, one that does."""
+    if item["type"] == "union_tag_not_found":
+        # pydantic: "Unable to extract tag using discriminator 'type'".
+        key = item["ctx"]["discriminator"].strip("'")
+        tags = " or ".join(repr(tag) for tag in tags_at(RunConfig, tuple(item["loc"])))
+        return f"no '{key}' given — add {key}: {tags} (which kind of section this is)"
+    return item["msg"]
 
 
 def load_run_config(path: str | Path, **overrides) -> RunConfig:
@@ -476,6 +484,18 @@ def load_run_config(path: str | Path, **overrides) -> RunConfig:
     config = parse_run_config(text, str(path), overrides)
     import_beside(path)
     return config
+
+
+def command_line_config(config_path: Path | None, flags: Mapping[str, Any]) -> RunConfig:
+    """`longstraw train`'s config: the YAML file at `config_path` (the defaults without one), then
+    the flags (dotted field → value: {"parallel.world_size": 2}) merged onto it field by field, so
+    that any flags of one section combine. The file's errors name the file, the flags' errors
+    "command-line options". Schemas only: the CLI calls this before it imports torch."""
+    config = load_run_config(config_path) if config_path is not None else RunConfig()
+    if not flags:
+        return config
+    raw = merged(config.model_dump(mode="json"), nested(flags))
+    return validated_run_config(raw, "command-line options")
 
 
 def import_beside(config_file: Path) -> None:

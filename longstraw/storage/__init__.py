@@ -5,40 +5,37 @@ open_state_writer / open_persisting_writer (write, resume, commit), open_committ
 verify_state, list_states / collect_garbage, and the `state` CLI sub-app in storage.state_commands.
 """
 
-from longstraw.storage.background import BackgroundStateWriter, open_persisting_writer
-from longstraw.storage.cache import CommittedStateLRU, default_state_lru
-from longstraw.storage.errors import (
-    ChunkChecksumError,
-    ShardConflictError,
-    StateIntegrityError,
-    StateKeyMismatchError,
-    StateNotCommittedError,
-)
-from longstraw.storage.reader import (
-    CommittedState,
-    naive_read_committed_state,
-    open_committed_state,
-    read_manifest,
-    verify_state,
-)
-from longstraw.storage.writer import ShardData, StateWriter, open_state_writer
+from __future__ import annotations
 
-__all__ = [
-    "BackgroundStateWriter",
-    "ChunkChecksumError",
-    "CommittedState",
-    "CommittedStateLRU",
-    "ShardConflictError",
-    "ShardData",
-    "StateIntegrityError",
-    "StateKeyMismatchError",
-    "StateNotCommittedError",
-    "StateWriter",
-    "default_state_lru",
-    "naive_read_committed_state",
-    "open_committed_state",
-    "open_persisting_writer",
-    "open_state_writer",
-    "read_manifest",
-    "verify_state",
-]
+import importlib
+
+# The public names, imported on first use (PEP 562) as in `longstraw/__init__.py`: importing one
+# module of this package (the `state` commands, a config file reader) must not load torch and
+# zarr before the CLI has answered `--help` or refused a config.
+_EXPORTS = {
+    "BackgroundStateWriter": "longstraw.storage.background",
+    "open_persisting_writer": "longstraw.storage.background",
+    "CommittedStateLRU": "longstraw.storage.cache",
+    "default_state_lru": "longstraw.storage.cache",
+    "ChunkChecksumError": "longstraw.storage.errors",
+    "ShardConflictError": "longstraw.storage.errors",
+    "StateIntegrityError": "longstraw.storage.errors",
+    "StateKeyMismatchError": "longstraw.storage.errors",
+    "StateNotCommittedError": "longstraw.storage.errors",
+    "CommittedState": "longstraw.storage.reader",
+    "naive_read_committed_state": "longstraw.storage.reader",
+    "open_committed_state": "longstraw.storage.reader",
+    "read_manifest": "longstraw.storage.reader",
+    "verify_state": "longstraw.storage.reader",
+    "ShardData": "longstraw.storage.writer",
+    "StateWriter": "longstraw.storage.writer",
+    "open_state_writer": "longstraw.storage.writer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'longstraw.storage' has no attribute {name!r}")

@@ -10,14 +10,15 @@ import fsspec
 from longstraw.schemas.run import ConfigError, RunConfig, import_beside, parse_run_config
 
 
-def read_run_config(uri: str, overrides: dict | None = None) -> RunConfig:
-    """The RunConfig at `uri` with `overrides` merged onto it (section by section)."""
+def read_run_config(uri: str, *layers: dict) -> RunConfig:
+    """The RunConfig at `uri` with each of `layers` (overrides) merged onto it in order, field by
+    field (`schemas.run.merged`)."""
     try:
         with fsspec.open(uri, "rt") as handle:
             text = handle.read()
     except FileNotFoundError as error:
         raise ConfigError(f"config file {uri} does not exist") from error
-    config = parse_run_config(text, uri, overrides)
+    config = parse_run_config(text, uri, *layers)
     filesystem, path = fsspec.core.url_to_fs(uri)
     protocols = filesystem.protocol
     if "file" in ((protocols,) if isinstance(protocols, str) else protocols):

@@ -1,6 +1,7 @@
 """`longstraw state ...`: list, inspect, verify and garbage-collect persisted prompt states.
 
-Mounted by the main CLI with app.add_typer(state_app, name="state").
+Mounted by the main CLI with app.add_typer(state_app, name="state"). The storage modules (fsspec,
+zarr, torch) are imported inside each command, so that `longstraw state --help` answers at once.
 """
 
 from __future__ import annotations
@@ -13,16 +14,7 @@ import typer
 from rich.table import Table
 
 from longstraw.console import cli_console, print_table
-from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import StateIntegrityError, StateNotCommittedError
-from longstraw.storage.gc import (
-    collect_checkpoint_leftovers,
-    collect_garbage,
-    collect_stale_locks,
-    default_locks_dir,
-    list_states,
-)
-from longstraw.storage.reader import read_manifest, verify_state
 
 state_app = typer.Typer(
     help="Persisted prompt states: ls, inspect, verify, gc.", no_args_is_help=True
@@ -44,6 +36,8 @@ def ls_cmd(
     root: str = typer.Argument(..., help="Storage root (path, file:// or s3:// URI)."),
 ) -> None:
     """Committed states and uncommitted attempts under ROOT, with sizes."""
+    from longstraw.storage.gc import list_states
+
     table = Table(title=f"prompt states under {root}")
     for col in ("state", "status", "tokens", "shards", "attempts", "size"):
         table.add_column(col, justify="right" if col in ("tokens", "shards", "size") else "left")
@@ -73,6 +67,8 @@ def inspect_cmd(
     uri: str = typer.Argument(..., help="State directory (or its COMMITTED.json)."),
 ) -> None:
     """The committed manifest of URI: identity, sizes, per-array shapes and dtypes."""
+    from longstraw.storage.reader import read_manifest
+
     try:
         manifest, ref = read_manifest(uri)
     except StateNotCommittedError as e:
@@ -124,6 +120,8 @@ def verify_cmd(
     uri: str = typer.Argument(..., help="State directory (or its COMMITTED.json)."),
 ) -> None:
     """Read every chunk of URI and check its sha256 against the manifest (exit 1 on the first bad one)."""
+    from longstraw.storage.reader import verify_state
+
     start = datetime.now(UTC)
     try:
         manifest = verify_state(uri)
@@ -163,6 +161,14 @@ def gc_cmd(
 ) -> None:
     """Remove uncommitted attempts and half-written checkpoints (`checkpoints/v*.tmp-*`) past the
     grace period, states of old policy versions, and locks whose holder is gone."""
+    from longstraw.schemas.storage import StorageConfig
+    from longstraw.storage.gc import (
+        collect_checkpoint_leftovers,
+        collect_garbage,
+        collect_stale_locks,
+        default_locks_dir,
+    )
+
     actions = collect_garbage(
         root, keep_versions=keep_versions, grace_seconds=grace_seconds, dry_run=dry_run
     )

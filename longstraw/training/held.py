@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.distributed.stage_group import active_group
+from longstraw.distributed.topology import Topology
 from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import StateBudget
@@ -133,15 +134,17 @@ def prefix_exchange() -> PrefixExchange:
         return LOCAL
     replica = group.scope()
     if replica is None:
-        return _cross_rank(None, group.control)
+        return _cross_rank(None, group.control, None)  # the world: one replica
     # A replica of one rank holds its prompts' states whole, as a single process does.
-    return LOCAL if replica.size == 1 else _cross_rank(replica.sequence, replica.control)
+    if replica.size == 1:
+        return LOCAL
+    return _cross_rank(replica.sequence, replica.control, group.topology)
 
 
-def _cross_rank(sequence, control) -> PrefixExchange:
+def _cross_rank(sequence, control, topology: Topology | None) -> PrefixExchange:
     from longstraw.distributed.exchange import CrossRankExchange
 
-    return CrossRankExchange(group=sequence, control=control)
+    return CrossRankExchange(group=sequence, control=control, topology=topology)
 
 
 def prompt_state(ctx: RunContext, example: PromptExample):

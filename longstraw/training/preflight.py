@@ -28,7 +28,6 @@ from pathlib import Path
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
 from longstraw.trackers.run_trackers import check_trackers
-from longstraw.training.storage_faults import human_size
 
 S3_CREDENTIALS = "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3"
 
@@ -593,3 +592,10 @@ def check_free_space(config: RunConfig, lengths: list[int]) -> None:
             f"({parts}) — free at least {human_size(needed - free)} there, or point storage at a "
             "larger volume"
         )
+
+
+def human_size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from longstraw.data.rewards import register_haystack_rewards
 from longstraw.distributed.stage_group import (
     active_group,
+    active_topology,
     from_writer,
     is_writer,
     on_all_ranks,
@@ -38,6 +39,7 @@ from longstraw.distributed.stage_group import (
     when_ranks_stop,
 )
 from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
+from longstraw.engine.replay import replay_branch
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
 from longstraw.engine.state_tiers import state_traffic
@@ -202,15 +204,12 @@ def score_logprobs(model, state, responses, *, temperature: float) -> list[torch
     """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
     exchange = held.prefix_exchange()
     return [
-        exchange.replay_branch(
-            model,
-            state,
-            torch.as_tensor(r, dtype=torch.long),
-            temperature=temperature,
-            cotangent=None,
+        replay_branch(
+            model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature,
+            exchange=exchange,
         )[0]
         for r in responses
-    ]
+    ]  # fmt: skip
 
 
 @on_all_ranks
@@ -447,12 +446,9 @@ def backward_group(
     # Each rank (one process: the only one) holds its part of the state and of the gradient:
     # with data-parallel replicas, the rows the replicas' sum leaves on its FSDP shards
     # (`distributed.gradient_slices`; a replica of one rank holds them all).
-    exchange = held.prefix_exchange()
-    replicas = config.parallel.data_parallel if config.parallel.sequence_ranks > 1 else 1
     grads, stats = group_gradient(
-        ctx.model, state, inputs, config.grpo, config.engine, exchange=exchange,
-        data_size=replicas,
-    )  # fmt: skip
+        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange()
+    )
     stats = stats.model_copy(
         update={"seconds": stats.seconds.model_copy(update={"prefill": prefill_seconds})}
     )
@@ -501,8 +497,9 @@ def reduce_gradients(
         # The replicas' sums, added across them: each rank keeps its FSDP shard's rows.
         from longstraw.distributed.replica_gradients import sum_over_replicas
 
+        group = active_group()
         total = GradBuffer.from_tensors(
-            sum_over_replicas(ctx.model, total.grads, config.parallel, active_group().data_group)
+            sum_over_replicas(ctx.model, total.grads, group.topology, group.data_group)
         )
     for g in grads:
         artifacts.forget_grads(g)
@@ -519,16 +516,16 @@ def reduce_gradients(
 def _replica_sum(ctx, grads: list[GradRef]) -> GradBuffer:
     """The sum of the groups' contributions this rank's replica computed (its rows of each);
     zeros where the replica ran none (fewer groups in the step than replicas)."""
-    device, parallel = ctx.model.device, ctx.config.parallel
+    device, topology = ctx.model.device, active_topology()
     if ctx.weights is None:
         mine, part = grads, None
     else:
-        replica = ctx.rank // parallel.sequence_ranks
-        mine, part = [g for g in grads if g.replica == replica], ctx.rank % parallel.sequence_ranks
+        mine = [g for g in grads if g.replica == topology.replica]
+        part = topology.sequence_rank
     if not mine:
         from longstraw.distributed.replica_gradients import zero_replica_rows
 
-        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, parallel, part, device))
+        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, topology, device))
     total = GradBuffer.from_tensors(
         {n: t.clone() for n, t in artifacts.read_grads(mine[0], device, rank=part).items()}
     )

@@ -1,7 +1,7 @@
 """One GRPO step, composed once from its stages; the loop and the Prefect flow both run it.
 
 `run_step(config, policy, stages)` calls each stage through `stages`: `IN_PROCESS` (the stage
-functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.orchestration`). The
+functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.tasks`). The
 composition — which prompts, which stage after which, the normalisers, the step counter, the
 checkpoint cadence, the metrics — exists only here.
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw.bench import methods, suites
-from longstraw.bench.runner import run_isolated
-from longstraw.bench.worker import run_method
-from longstraw.bench.workload import BenchSpec, build_batch, response_lengths
+from bench.grpo import methods, suites
+from bench.grpo.runner import run_isolated
+from bench.grpo.worker import run_method
+from bench.grpo.workload import BenchSpec, build_batch, response_lengths
 
 _MIB = 2**20
 
@@ -118,6 +118,7 @@ def test_fidelity_puts_exact_full_sequence_and_trl_on_the_reference_and_detached
     assert rows["longstraw-detached"]["relative_error"] > 1e-3, rows["longstraw-detached"]
 
 
+@pytest.mark.processes
 def test_isolated_run_reports_its_own_peak_rss(tiny):
     spec = BenchSpec(method="prefill", checkpoint=tiny[0], prompt_tokens=63, shard_tokens=10)
     record = run_isolated(spec, time_cap_s=300, mem_cap_bytes=8 * 2**30)
@@ -128,6 +129,7 @@ def test_isolated_run_reports_its_own_peak_rss(tiny):
     assert record["observed_peak_rss_bytes"] > 0, record
 
 
+@pytest.mark.processes
 def test_runs_over_the_memory_cap_are_recorded_as_oom_and_later_lengths_as_skipped(tiny):
     # Every Python process with torch imported passes 20 MiB: the first run is killed at once.
     data = suites.context_suite(

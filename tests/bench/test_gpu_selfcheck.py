@@ -1,20 +1,29 @@
 """The GPU self-check (`bench/gpu_selfcheck.py`) in its `--smoke` mode on the CPU: every section
 runs, writes its JSON and markdown, and the sections a CPU can run report real numbers.
 
-One smoke run serves every test of the module (~10 s on one thread). It runs with one torch
-thread: on this shared 2-core machine two spinning OpenMP threads made it 20-50x slower
-(parity of one tiny model 5 s instead of 0.1 s).
+One smoke run serves every test of the module (~15 s on one thread), in a process of its own that
+sees only the packages the GPU machine's image has or the wheels carry (`not_on_the_gpu_image`).
+It runs with one torch thread: on this shared 2-core machine two spinning OpenMP threads made it
+20-50x slower (parity of one tiny model 5 s instead of 0.1 s).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -22,25 +31,100 @@ def selfcheck(bench_script):
     return bench_script("gpu_selfcheck")
 
 
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _distribution_names(path: Path) -> set[str]:
+    """Normalised distribution names of a list with one name a line (# comments) or of a
+    requirements file's `name==version` lines."""
+    names = set()
+    for line in path.read_text().splitlines():
+        match = re.match(r"[A-Za-z0-9][A-Za-z0-9_.-]*", line)  # not "#", not "    --hash"
+        if match:
+            names.add(_normalised(match.group(0)))
+    return names
+
+
+def _with_requirements(names: set[str]) -> set[str]:
+    """`names` and what their installed versions require, transitively (extras asked for
+    included): the image's packages here may be other versions with other requirements."""
+    seen, todo = set(), [(name, frozenset()) for name in names]
+    while todo:
+        name, extras = todo.pop()
+        if (_normalised(name), extras) in seen:
+            continue
+        seen.add((_normalised(name), extras))
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in {"", *extras}):
+                todo.append((req.name, frozenset(req.extras)))
+    return {name for name, _ in seen}
+
+
+def not_on_the_gpu_image() -> list[str]:
+    """Top-level modules installed here whose distributions are neither on the GPU image's list
+    (bench/gpu_image_packages.txt), nor carried (bench/gpu_wheels.txt), nor required by either."""
+    allowed = _with_requirements(
+        _distribution_names(BENCH / "gpu_image_packages.txt")
+        | _distribution_names(BENCH / "gpu_wheels.txt")
+    )
+    return sorted(
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if not {_normalised(d) for d in dists} & allowed
+    )
+
+
+# The smoke run in a process of its own, as on the GPU image: each module that the image lacks
+# is None in sys.modules, so that `import` of it fails and `find_spec` finds nothing (an optional
+# import is skipped, a required one fails the run).
+_SMOKE_PROCESS = """
+import json, sys
+for name in {blocked!r}:
+    sys.modules[name] = None
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, {bench!r})
+import gpu_selfcheck
+returned = gpu_selfcheck.main(["--smoke", "--device", "cpu", "--out", {out!r}])
+imported = sorted({{n.split(".")[0] for n, m in sys.modules.items() if m is not None}})
+with open({record!r}, "w") as f:
+    json.dump({{"sections": list(returned["sections"]), "imported": imported}}, f)
+"""
+
+
 @pytest.fixture(scope="module")
-def smoke(selfcheck, tmp_path_factory):
+def blocked() -> list[str]:
+    return not_on_the_gpu_image()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, blocked):
     out = tmp_path_factory.mktemp("selfcheck")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        returned = selfcheck.main(["--smoke", "--device", "cpu", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)
+    record = out / "process.json"
+    code = _SMOKE_PROCESS.format(
+        blocked=blocked, bench=str(BENCH), out=str(out), record=str(record)
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((out / "gpu_selfcheck.json").read_text())
-    return report, returned, (out / "gpu_selfcheck.md").read_text()
+    process = json.loads(record.read_text())
+    returned = {"sections": dict.fromkeys(process["sections"])}
+    return report, returned, (out / "gpu_selfcheck.md").read_text(), process["imported"]
 
 
 def _positive(x) -> bool:
     return isinstance(x, float | int) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.processes
 def test_smoke_writes_every_section_with_status_time_and_budget(smoke, selfcheck):
-    report, returned, md = smoke
+    report, returned, md, _ = smoke
     assert report["mode"] == "smoke"
     assert list(report["sections"]) == list(selfcheck.SECTIONS)
     for name, section in report["sections"].items():
@@ -53,6 +137,7 @@ def test_smoke_writes_every_section_with_status_time_and_budget(smoke, selfcheck
         assert heading in md, heading
 
 
+@pytest.mark.processes
 def test_kernels_section_names_every_gpu_package_and_what_ran(smoke):
     kernels = smoke[0]["sections"]["kernels"]
     by_module = {row["module"]: row for row in kernels["packages"]}
@@ -77,6 +162,7 @@ def test_kernels_section_names_every_gpu_package_and_what_ran(smoke):
     assert not any(k.startswith("glm_moe_dsa") and "linear_attention" in k for k in ran), ran
 
 
+@pytest.mark.processes
 def test_parity_rows_are_measured_within_tolerance(smoke, selfcheck):
     rows = smoke[0]["sections"]["parity"]["rows"]
     cfg = selfcheck.SMOKE
@@ -93,6 +179,7 @@ def test_parity_rows_are_measured_within_tolerance(smoke, selfcheck):
     assert fp32 < 1e-5 < bf16, (fp32, bf16)
 
 
+@pytest.mark.processes
 def test_exact_gradient_is_judged_against_float64(smoke):
     (row,) = smoke[0]["sections"]["exact_gradient"]["rows"]
     assert row["status"] == "ok", row
@@ -101,6 +188,7 @@ def test_exact_gradient_is_judged_against_float64(smoke):
     assert row["worst_parameter"], row
 
 
+@pytest.mark.processes
 def test_scale_rows_time_every_stage_and_skip_device_memory_on_cpu(smoke, selfcheck):
     scale = smoke[0]["sections"]["scale"]
     cfg = selfcheck.SMOKE
@@ -141,6 +229,7 @@ def test_command_line_overrides_budgets_and_lengths(selfcheck, tmp_path):
         selfcheck.main(["--smoke", "--out", str(tmp_path), "--budget", "nosuch=1"])
 
 
+@pytest.mark.processes
 def test_tiers_stream_under_a_budget_below_the_state_and_match_resident(smoke):
     resident, tiered = smoke[0]["sections"]["tiers"]["rows"]
     assert resident["config"] == "resident" and resident["status"] == "ok", resident
@@ -211,3 +300,18 @@ def test_budget_skips_a_run_predicted_to_overrun(selfcheck):
     rows = [{"status": "ok", "prompt_len": 1000, "step_s": 2.0, "prompt_grad": "exact"}]
     assert selfcheck._predicted(rows, 4000, "step_s", prompt_grad="exact") == 32.0
     assert selfcheck._predicted(rows, 4000, "step_s", prompt_grad="detached") is None
+
+
+@pytest.mark.processes
+def test_smoke_runs_with_only_what_the_gpu_image_has_or_the_wheels_carry(smoke, blocked):
+    """The GPU machine's image lacks prefect, zarr, s3fs and pydantic and reaches no registry:
+    the smoke run (every section ok, the tests above) had every other package blocked."""
+    lacking = {m for m in ("prefect", "zarr", "s3fs", "moto") if importlib.util.find_spec(m)}
+    assert lacking <= set(blocked), blocked  # those installed here
+    assert not {"torch", "transformers", "pydantic", "pydantic_core", "yaml", "numpy"} & set(
+        blocked
+    )
+    imported = set(smoke[3])
+    assert {"torch", "transformers", "pydantic", "longstraw"} <= imported
+    assert not imported & set(blocked)
+    assert all(s["status"] == "ok" for s in smoke[0]["sections"].values())

@@ -1,7 +1,7 @@
 """FSDP2 over the flattened ("data", "seq") mesh with sequence-sharded gradient accumulators.
 
 Each data replica trains on its own prompt (P = 110, T = 109 in 17-token shards) and advantages,
-as in test_fsdp.py. `sharded_group_gradient_slices(..., data_size=N_d)` then
+as in test_fsdp.py. `group_gradient_on_ranks(..., data_size=N_d)` then
 `set_sharded_gradients`: each rank's DTensor `.grad` shard must equal chunk g of the dense path's
 data-averaged gradient (g = global rank, FSDP's `torch.chunk` layout), gathered it must equal the
 single-process engine's gradient, and optimizer steps on the shards must match the dense ones.
@@ -18,11 +18,14 @@ import functools
 import pytest
 from _slice_workers import fsdp_sliced_step
 
+import longstraw.distributed.exchange
 import longstraw.distributed.fsdp
-import longstraw.distributed.sharded_group
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS = 110, 17
 CASES = [("qwen3_5", 2, 2, "exact"), ("llama", 2, 3, "detached")]
