@@ -85,11 +85,7 @@ def with_lora(model: nn.Module, settings, *, seed: int):
     config = peft_lora_config(settings)
     _check_no_unsupported_target(model, config)
     training = model.training
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # peft's own defaults for fused MoE projections that a model may not have, and a
-        # transformers deprecation peft calls into: nothing a user can act on.
-        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys")
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
+    with torch.random.fork_rng(devices=[]), _peft_warnings_quiet():
         torch.manual_seed(seed)
         try:
             peft_model = get_peft_model(model, config)
@@ -151,12 +147,23 @@ def _check_every_target_matched(model: nn.Module, targets) -> None:
         )
 
 
+@contextlib.contextmanager
+def _peft_warnings_quiet() -> Iterator[None]:
+    """peft's warnings about its own defaults for fused MoE projections a model may not have,
+    and a transformers deprecation peft calls into: nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys")
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
+        yield
+
+
 def load_lora(model: nn.Module, adapter_dir: str | Path):
     """`model` with the trainable adapters of the peft directory `adapter_dir` (a `PeftModel`)."""
     from peft import PeftModel
 
     training = model.training
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    with _peft_warnings_quiet():
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
     peft_model.train(training)
     check_lora_supported(peft_model)
     return peft_model
@@ -418,7 +425,8 @@ def merge_lora_checkpoint(
                 "run trained on with --base DIR"
             )
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto")
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with _peft_warnings_quiet():
+        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     out_dir.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out_dir))
     tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
