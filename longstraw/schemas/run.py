@@ -106,9 +106,9 @@ class ModelConfig(_Section):
     cpu: always the CPU."""
     lora: LoraConfig | None = None
     """Train LoRA adapters on the frozen `checkpoint` instead of every parameter (None: full
-    training). Checkpoints then hold the adapters (`adapter_config.json`,
-    `adapter_model.safetensors`: `PeftModel.from_pretrained` loads them on the base);
-    `longstraw merge` writes a merged Hugging Face checkpoint."""
+    training). A run's fresh adapters are drawn from `train.seed`. Checkpoints then hold the
+    adapters (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained`
+    loads them on the base); `longstraw merge` writes a merged Hugging Face checkpoint."""
 
 
 class EngineConfig(_Section):
