@@ -1,4 +1,4 @@
-"""`longstraw` command line: train, init-model, state …, bench ….
+"""`longstraw` command line: train, init-model, merge, state …, bench ….
 
 Heavy imports (torch, transformers, prefect) happen inside the commands, after the config and
 the flags are read and validated: `--help` and a config error answer without them
@@ -54,6 +54,30 @@ def init_model_command(
         f"[green]wrote[/green] {path}  ({summary['model_type']}, hidden {summary['hidden_size']}, "
         f"{summary['num_hidden_layers']} layers)"
     )
+
+
+@app.command("merge")
+def merge_command(
+    adapter: Annotated[
+        Path, typer.Argument(help="A LoRA checkpoint: adapter_config.json + adapter weights.")
+    ],
+    out: Annotated[Path, typer.Option(help="Directory to write the merged checkpoint to.")],
+    base: Annotated[
+        Path | None,
+        typer.Option(help="The base model (default: the one the adapter's config names)."),
+    ] = None,
+) -> None:
+    """Merge a LoRA run's adapters into their base: a Hugging Face checkpoint that
+    transformers (and `model.checkpoint`) loads as it is."""
+    from longstraw.errors import UserError
+    from longstraw.models.lora import merge_lora_checkpoint
+
+    try:
+        path = merge_lora_checkpoint(adapter, out, base_dir=base)
+    except UserError as error:
+        _error_line(str(error))
+        raise typer.Exit(2) from None
+    console.print(f"[green]wrote[/green] {path}  (the base with the adapters of {adapter} merged)")
 
 
 CONFIG_OPTIONS: dict[str, str] = {

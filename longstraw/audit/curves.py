@@ -1,7 +1,8 @@
 """A run's curves in the Prefect UI, redrawn from `metrics.jsonl` after every step.
 
-The artifacts are keyed by run (`<run>-metrics`, `<run>-curves`, `<run>-reward-curve`,
-`<run>-reward-plot`): each publication is a new version of the same key, and the UI's Artifacts
+The artifacts are keyed by run (`<run>-metrics`, `<run>-curves`, `<run>-reward-curve` — which
+opens with what the run trains: every parameter, or LoRA adapters with their rank, targets and
+trainable count —, `<run>-reward-plot`): each publication is a new version of the same key, and the UI's Artifacts
 page shows the latest. They are read from the run's recorded rows, not from what one flow run
 did, so a resumed run's curves start at step 0 and a run that failed keeps the steps it finished.
 The reward plot travels inside the artifact as a PNG data URI (the UI shows an image artifact as
@@ -22,7 +23,7 @@ from longstraw.audit.names import artifact_key, metrics_row, rounded_rows
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import run_dir
-from longstraw.training.metrics import plot_rewards, read_metrics
+from longstraw.training.metrics import plot_rewards, policy_description, read_metrics
 
 CURVE_COLUMNS = ("step", "policy_version", "reward_mean", "reward_std", "loss", "grad_norm")
 """The reward and loss curves: one row per step, these columns."""
@@ -75,7 +76,10 @@ def publish_run_curves(config: RunConfig) -> list[StepMetrics]:
         key=f"{key}-curves",
         description=f"run {config.run_id}: reward and loss per step, {steps}",
     )
-    create_markdown_artifact(reward_curve_markdown(history), key=f"{key}-reward-curve")
+    create_markdown_artifact(
+        f"Policy: {policy_description(config, history)}\n\n{reward_curve_markdown(history)}",
+        key=f"{key}-reward-curve",
+    )
     plot = plot_rewards(path, history)
     create_image_artifact(
         png_data_uri(plot.read_bytes()),

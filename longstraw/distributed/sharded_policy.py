@@ -105,14 +105,18 @@ def local_shards(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
 
 
 def full_state_dict(
-    model: PreTrainedModel, weights: ShardedWeights, *, copy: bool
+    model: PreTrainedModel, weights: ShardedWeights, *, copy: bool, trainable_only: bool = False
 ) -> dict[str, torch.Tensor]:
     """The whole weights (parameters and persistent buffers) on the CPU, from the gathered
     parameters: what `save_pretrained(state_dict=...)` writes. Gathers first if needed (so
-    every rank calls it); only a rank with `copy` makes the CPU copy ({} elsewhere)."""
+    every rank calls it); only a rank with `copy` makes the CPU copy ({} elsewhere).
+    `trainable_only`: the trainable parameters alone (a LoRA policy's adapters: what peft's
+    `save_pretrained` keeps of a state dict), not the frozen base."""
     weights.gather()
     if not copy:
         return {}
+    if trainable_only:
+        return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     out = {name: p.detach().cpu() for name, p in model.named_parameters()}
     for prefix, module in model.named_modules():
         for name, buffer in module._buffers.items():

@@ -38,6 +38,7 @@ from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.grpo.losses import BranchStats, branch_loss, reduce_stats, sequence_weights
 from longstraw.models.adapters import state_spec
+from longstraw.models.lora import adapter_dropout_training, has_adapter_dropout
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.results import GroupStats, StageSeconds, StateTraffic
 from longstraw.schemas.run import EngineConfig
@@ -448,8 +449,11 @@ def replay_and_sweep(
     """
     params = trainable_parameters(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
+    dropout = adapter_dropout_in_replay(
+        model, prompt_grad, inputs.response_ids, segment_tokens, share_prefixes
+    )
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
-        with replay_sink:
+        with replay_sink, dropout:
             record = replay_group_branches(
                 model, state, inputs, loss_config, cotangent, segment_tokens=segment_tokens,
                 share_prefixes=share_prefixes, exchange=exchange,
@@ -464,6 +468,35 @@ def replay_and_sweep(
             record.seconds["sweep"] = time.perf_counter() - started
             record.cotangent_bytes = cotangent.nbytes()
     return record
+
+
+def adapter_dropout_in_replay(
+    model: PreTrainedModel,
+    prompt_grad: str,
+    response_ids: Sequence[torch.Tensor],
+    segment_tokens: int | None,
+    share_prefixes: bool,
+) -> contextlib.AbstractContextManager[None]:
+    """The adapters' dropout (LoRA's `lora_dropout`) for the differentiated branch forwards:
+    masks drawn there, as a training forward draws them (`models.lora.adapter_dropout_training`;
+    nothing for a model without it). Only where that forward is the one differentiated: the
+    reverse sweep, segments and a prefix tree recompute forwards and check them bitwise against
+    the first pass, which a new mask breaks — refused there."""
+    if not has_adapter_dropout(model):
+        return contextlib.nullcontext()
+    recomputed = None
+    if prompt_grad == "exact":
+        recomputed = "prompt_grad exact (the reverse sweep recomputes every prefill shard)"
+    elif share_prefixes:
+        recomputed = "share_response_prefixes (the prefix tree recomputes shared turns)"
+    elif segment_tokens is not None and any(r.numel() > segment_tokens for r in response_ids):
+        recomputed = f"branch_segment_tokens {segment_tokens} (segments are recomputed)"
+    if recomputed is not None:
+        raise ValueError(
+            f"the model's LoRA adapters have dropout, which {recomputed} cannot reproduce bit for "
+            "bit — set lora_dropout to 0, or train detached without segments or shared prefixes"
+        )
+    return adapter_dropout_training(model)
 
 
 def group_stats(

@@ -50,9 +50,11 @@ from longstraw.engine.recomputed_span import (
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
+from longstraw.models.lora import is_plain_linear, linear_parts
 from longstraw.ops.blockwise_backward import (
     BLOCK_TOKENS,
     GatedMlp,
+    LowRank,
     OutputProjection,
     rows_recomputed_in_blocks,
 )
@@ -113,17 +115,21 @@ def _is_silu(act: nn.Module) -> bool:
 
 def _gated_mlp_split(mlp: nn.Module) -> GatedMlp | OutputProjection | None:
     """How the blockwise backward may take a gated MLP (down_proj of act(gate_proj(x)) *
-    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free projections with a SiLU, else its
-    down projection by hand (`OutputProjection`); None for any other MLP."""
-    if not (
-        isinstance(getattr(mlp, "down_proj", None), nn.Linear) and _is_gated_mlp_class(type(mlp))
-    ):
+    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free linear projections with a SiLU,
+    each a plain `nn.Linear` or one with a LoRA adapter (peft's `lora.Linear`, whose low-rank
+    path the backward takes by hand too: `models.lora.linear_parts`); else its down projection
+    by hand (`OutputProjection`) when that one is a plain linear layer; None for any other
+    MLP. A projection neither plain nor such an adapter (a wrapper whose forward adds to its
+    weight) is never taken by hand: it runs as a module and autograd differentiates it."""
+    if not _is_gated_mlp_class(type(mlp)):
         return None
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if _is_silu(mlp.act_fn) and all(
-        isinstance(p, nn.Linear) and p.bias is None for p in projections
-    ):
-        return GatedMlp(*projections)
+    parts = [linear_parts(p) for p in projections]
+    if _is_silu(mlp.act_fn) and all(p is not None and p[0].bias is None for p in parts):
+        low_rank = tuple(None if lr is None else LowRank(*lr) for _, lr in parts)
+        return GatedMlp(*(base for base, _ in parts), low_rank=low_rank)
+    if not is_plain_linear(mlp.down_proj):
+        return None
 
     def inner(x: torch.Tensor) -> torch.Tensor:
         return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)

@@ -155,8 +155,12 @@ def prompt_state(ctx: RunContext, example: PromptExample):
 
 
 @contextlib.contextmanager
-def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixState]:
-    """The reference model's state of `example` for the block: prefilled once per prompt and run.
+def reference_state(
+    ctx: RunContext, example: PromptExample, reference: PreTrainedModel
+) -> Iterator[PrefixState]:
+    """The reference model's state of `example` for the block: prefilled once per prompt and
+    run, by `reference` (what `ctx.reference_policy()` gives, entered by the caller around the
+    block).
 
     Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
     state reads back free in-process); under `engine.state_budget_bytes` it is then tiered from
@@ -176,7 +180,7 @@ def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixS
         key=StateKey.reference(ctx.reference_digest, example.digest),
         budget=None if budget is None else dataclasses.replace(budget, exact=False),
     )
-    session = new_session(ctx.config, ctx.reference_model, example.prompt_ids, **options)
+    session = new_session(ctx.config, reference, example.prompt_ids, **options)
     try:
         state, _ = session.finish()
     except BaseException:

@@ -348,10 +348,10 @@ def score_group(
     responses = rollout_record(rollout).response_ids
     with contextlib.ExitStack() as stack:
         if which == "reference":
-            if ctx.reference_model is None:
+            if not ctx.has_reference:
                 return None
-            model = ctx.reference_model
-            state = stack.enter_context(held.reference_state(ctx, example))
+            model = stack.enter_context(ctx.reference_policy())
+            state = stack.enter_context(held.reference_state(ctx, example, model))
         else:
             model, state = ctx.model, held.prompt_state(ctx, example)
         state = stack.enter_context(budgeted_state(config.engine, model, state))
@@ -561,6 +561,8 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
         learning_rate=update.learning_rate,
         clipped=update.clipped,
         seconds=time.perf_counter() - started,
+        # Global counts (a sharded parameter's numel is the whole tensor's).
+        trainable_parameters=sum(p.numel() for p in ctx.model.parameters() if p.requires_grad),
     )
 
 
@@ -601,6 +603,7 @@ def write_checkpoint(
             tokenizer=ctx.tokenizer,
             optimizer_tensors=ctx.optimizer.state_tensors(),
             trainer_state=trainer_state,
+            base_weights_digest=ctx.base_weights_digest,
         )
     else:
         ref = None
@@ -638,7 +641,13 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
         save_optimizer_part(
             tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size
         )
-        weights = full_state_dict(ctx.model, ctx.weights, copy=is_writer())
+        # A LoRA policy's checkpoint holds its adapters alone: only they are copied.
+        weights = full_state_dict(
+            ctx.model,
+            ctx.weights,
+            copy=is_writer(),
+            trainable_only=ctx.base_weights_digest is not None,
+        )
         dist.barrier(group=control)
     except BaseException:
         # A rank's failed write (a full disk on its node) fails this rank's collectives too: the
@@ -657,6 +666,7 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
         tokenizer=ctx.tokenizer,
         trainer_state=trainer_state,
         state_dict=weights,
+        base_weights_digest=ctx.base_weights_digest,
     )
 
 

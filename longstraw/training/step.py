@@ -393,6 +393,7 @@ def step_metrics(
         truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
         peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
+        trainable_parameters=getattr(update, "trainable_parameters", None),
         shards_computed=shards_computed,
         shards_reused=shards_reused,
         state_bytes=max((s.state_bytes for s in group_stats), default=None),

@@ -204,7 +204,83 @@ def fsdp_sliced_step(
     out["steps_vs_dense_same_grad"] = max(
         (params[n].full_tensor() - p).abs().max().item() for n, p in dense_model.named_parameters()
     )
+    # The same processes and mesh, a LoRA policy: the frozen base and the adapters sharded at
+    # rest together, the adapters' gradient slices reduced into their FSDP shards.
+    out["lora"] = _lora_sliced_step(
+        rank, world, checkpoint, mesh, batches, shard_tokens, prompt_grad
+    )
     return out
+
+
+def _lora_sliced_step(rank, world, checkpoint, mesh, batches, shard_tokens, prompt_grad) -> dict:
+    """A peft LoRA policy (rank-4 adapters on every linear layer, both factors random, the same
+    seed on every rank) through `fsdp_sliced_step`'s path: each adapter's gathered DTensor
+    gradient against the single-process engine's, averaged over the data replicas' groups."""
+    from _group_gradients import group_gradient_on_ranks
+    from torch.distributed.tensor import DTensor
+
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.distributed.fsdp import (
+        SEQ,
+        mesh_topology,
+        set_sharded_gradients,
+        shard_model_over_data_and_seq,
+        unsharded_parameters,
+    )
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.models.lora import with_lora
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.schemas.run import EngineConfig, LoraConfig
+
+    settings = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)
+    config = GRPOConfig(beta=0.0)
+    data, seq = mesh.size(0), mesh.size(1)
+
+    def lora_model():
+        model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+        model.eval()
+        return with_lora(model, settings, seed=5)
+
+    reference = lora_model()
+    want = GradBuffer(reference)
+    for prompt, responses, advantages in batches:
+        accumulate_group_gradients(
+            reference, prompt, responses, advantages, config,
+            EngineConfig(shard_tokens=shard_tokens, prompt_grad=prompt_grad), grad_buffer=want,
+        )  # fmt: skip
+    for grad in want.grads.values():
+        grad /= data
+
+    model = lora_model()
+    modules, _ = shard_model_over_data_and_seq(model, mesh)
+    prompt, responses, advantages = batches[rank // seq]
+    seq_group = mesh.get_group(SEQ)
+    with unsharded_parameters(modules):
+        state = prefill(
+            model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange(seq_group)
+        )
+        slices, _ = group_gradient_on_ranks(
+            model, state, responses, advantages, config, prompt_grad=prompt_grad,
+            group=seq_group, topology=mesh_topology(mesh),
+        )  # fmt: skip
+    set_sharded_gradients(model, slices, mesh)
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    return {
+        "trainable": sorted(trainable) == sorted(want.grads),
+        "only_adapters": all(".lora_A." in n or ".lora_B." in n for n in trainable),
+        "base_without_grad": all(params[n].grad is None for n in params if n not in trainable),
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "accumulator_numel": sum(g.numel() for g in slices.grads.values()),
+        "adapter_numel": sum(params[n].numel() for n in trainable),
+        "grad": max(
+            ((params[n].grad.full_tensor() - g).abs().max() / g.abs().max()).item()
+            for n, g in want.grads.items()
+        ),
+        "world": world,
+    }
 
 
 def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int):
