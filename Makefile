@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longstraw-installed
 
-.PHONY: demo test lint bench clean-demo gpu-wheels
+.PHONY: demo test test-fast lint bench clean-demo gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ demo: $(STAMP)
 # shared runs stay together); tests/conftest.py gives each worker its share of the cores' threads.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
+
+# The fast subset (tests/README.md): leaves out the tests that start processes (other ranks, a
+# `longstraw` CLI or a Python child, a server), need the S3 or Prefect servers, or are slow.
+FAST := not slow and not processes and not s3 and not prefect
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile -m "$(FAST)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check longstraw tests bench

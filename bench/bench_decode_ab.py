@@ -146,8 +146,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from longstraw.bench.suites import machine
-    from longstraw.bench.workload import ensure_checkpoint
+    from bench.grpo.suites import machine
+    from bench.grpo.workload import ensure_checkpoint
 
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     checkpoint = str(ensure_checkpoint(Path(args.checkpoint).resolve().parent))

@@ -79,12 +79,10 @@ def single_process(
 
 def sharded(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, branch_len):
     from longstraw.distributed import cross_rank_attention as cra
-    from longstraw.distributed.sharded_group import (
-        sharded_group_gradient_slices,
-        sharded_group_gradients,
-    )
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.group import group_gradient, group_inputs
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.replay import PromptCotangent, replay_branch
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -95,35 +93,31 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, num_branches, bra
     base = _rss()
     out = {}
     started = time.perf_counter()
-    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    exchange = CrossRankExchange()
+    state = prefill(model, prompt, shard_tokens=shard_tokens, exchange=exchange)
     out["prefill_s"] = time.perf_counter() - started
     out["prefill_bytes_sent"] = cra.COMM.bytes_sent
 
     # One branch alone: forward + backward with a cotangent, to count its traffic.
     cra.COMM.__init__()
-    cotangent = zeros_cotangent(state)
-    logp, _ = sharded_branch_logprobs(model, state, responses[0], cotangent=cotangent)
+    cotangent = PromptCotangent.zeros_like_state(state)
+    logp, _ = replay_branch(model, state, responses[0], cotangent=cotangent, exchange=exchange)
     logp.sum().backward()
     out["branch_bytes_sent"] = cra.COMM.bytes_sent
     out["branch_exchanges"] = cra.COMM.exchanges
     model.zero_grad(set_to_none=True)
     del cotangent, logp
 
-    cra.COMM.__init__()
-    started = time.perf_counter()
-    _, _ = sharded_group_gradients(
-        model, state, responses, advantages, GRPOConfig(beta=0.0), prompt_grad="exact"
-    )
-    out["group_s"] = time.perf_counter() - started
-    out["group_bytes_sent"] = cra.COMM.bytes_sent
     params = [p for p in model.parameters() if p.requires_grad]
-    # The dense path's two fp32 accumulators (branch, sweep) against this rank's slices.
+    # Two dense fp32 accumulators (branch, sweep), what a rank would hold without slices.
     out["dense_accumulator_bytes"] = 2 * 4 * sum(p.numel() for p in params)
 
     cra.COMM.__init__()
     started = time.perf_counter()
-    slices, _ = sharded_group_gradient_slices(
-        model, state, responses, advantages, GRPOConfig(beta=0.0), prompt_grad="exact"
+    config = GRPOConfig(beta=0.0)
+    inputs = group_inputs(model, responses, advantages, config, prompt_grad="exact")
+    slices, _ = group_gradient(
+        model, state, inputs, config, EngineConfig(prompt_grad="exact"), exchange=exchange
     )
     out["group_slices_s"] = time.perf_counter() - started
     out["slices_accumulator_bytes"] = slices.nbytes()

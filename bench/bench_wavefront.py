@@ -1,5 +1,6 @@
-"""Prefill wall time: sequential (`sharded_prefill`) vs layer wavefront (`wavefront_prefill`) on
-N ranks of 1 thread each, against the single-process prefill (1 thread, and 2) on the same prompt.
+"""Prefill wall time: sequential (`engine.prefill` over `CrossRankExchange`) vs layer wavefront
+(`wavefront_prefill`) on N ranks of 1 thread each, against the single-process prefill (1 thread,
+and 2) on the same prompt.
 
 Every configuration runs in its own spawned processes, after a short warm-up prefill; each
 sharded schedule is timed `--repeats` times, interleaved (sequential, wavefront, sequential, ...),
@@ -60,18 +61,22 @@ def sharded(rank, world, checkpoint, prompt_len, shard_tokens, repeats, attentio
     import torch.distributed as dist
 
     from longstraw.distributed import cross_rank_attention as cra
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt = _prompt(model, prompt_len)
 
+    def sequential(*args, **kwargs):
+        return prefill(*args, exchange=CrossRankExchange(), **kwargs)
+
     def wavefront(*args, **kwargs):
         return wavefront_prefill(*args, attention_window=attention_window, **kwargs)
 
-    schedules = {"sequential": sharded_prefill, "wavefront": wavefront}
+    schedules = {"sequential": sequential, "wavefront": wavefront}
     for run in schedules.values():
         run(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD)
     out: dict = {"threads": torch.get_num_threads()}
@@ -107,15 +112,18 @@ def peak_rss(rank, world, checkpoint, prompt_len, shard_tokens, schedule, attent
     """One prefill of `schedule` in fresh processes: this rank's peak RSS before and after it."""
     import resource
 
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt = _prompt(model, prompt_len)
-    kwargs = {"attention_window": attention_window} if schedule == "wavefront" else {}
-    run = wavefront_prefill if schedule == "wavefront" else sharded_prefill
+    if schedule == "wavefront":
+        run, kwargs = wavefront_prefill, {"attention_window": attention_window}
+    else:
+        run, kwargs = prefill, {"exchange": CrossRankExchange()}
     run(model, prompt[: WARMUP_SHARD * WARMUP_SHARDS + 1], shard_tokens=WARMUP_SHARD, **kwargs)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     state = run(model, prompt, shard_tokens=shard_tokens, **kwargs)

@@ -1,4 +1,4 @@
-"""`longstraw` command line: train, init-model, state …, bench ….
+"""`longstraw` command line: train, init-model, merge, state …, bench ….
 
 Heavy imports (torch, transformers, prefect) happen inside the commands, after the config and
 the flags are read and validated: `--help` and a config error answer without them
@@ -54,6 +54,30 @@ def init_model_command(
         f"[green]wrote[/green] {path}  ({summary['model_type']}, hidden {summary['hidden_size']}, "
         f"{summary['num_hidden_layers']} layers)"
     )
+
+
+@app.command("merge")
+def merge_command(
+    adapter: Annotated[
+        Path, typer.Argument(help="A LoRA checkpoint: adapter_config.json + adapter weights.")
+    ],
+    out: Annotated[Path, typer.Option(help="Directory to write the merged checkpoint to.")],
+    base: Annotated[
+        Path | None,
+        typer.Option(help="The base model (default: the one the adapter's config names)."),
+    ] = None,
+) -> None:
+    """Merge a LoRA run's adapters into their base: a Hugging Face checkpoint that
+    transformers (and `model.checkpoint`) loads as it is."""
+    from longstraw.errors import UserError
+    from longstraw.models.lora import merge_lora_checkpoint
+
+    try:
+        path = merge_lora_checkpoint(adapter, out, base_dir=base)
+    except UserError as error:
+        _error_line(str(error))
+        raise typer.Exit(2) from None
+    console.print(f"[green]wrote[/green] {path}  (the base with the adapters of {adapter} merged)")
 
 
 CONFIG_OPTIONS: dict[str, str] = {
@@ -149,6 +173,35 @@ def _refuse(error: Exception, debug: bool) -> NoReturn:
     raise typer.Exit(getattr(error, "exit_code", 2)) from None
 
 
+@app.command("eval")
+def eval_command(
+    config: Annotated[
+        Path, typer.Option(help="YAML run config whose eval section names the held-out prompts.")
+    ],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="Evaluate this checkpoint directory instead of model.checkpoint."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Also write the numbers as JSON here.")] = None,
+    debug: Annotated[
+        bool, typer.Option(help="Show the traceback of a configuration or input error.")
+    ] = False,
+) -> None:
+    """Answer the eval section's held-out prompts with a checkpoint, without training: the
+    numbers a run logs every train.eval_steps steps (greedy unless eval.do_sample)."""
+    from longstraw.errors import UserError
+    from longstraw.eval_entry import run_evaluation
+    from longstraw.schemas.run import ConfigError
+
+    try:
+        run_evaluation(config, checkpoint, out)
+    except (UserError, ConfigError) as error:
+        if debug:
+            raise
+        _error_line(str(error))
+        raise typer.Exit(getattr(error, "exit_code", 2)) from None
+
+
 def _error_line(message: str, prefix: str = "error: ") -> None:
     """One line on stderr, never wrapped or marked up by rich."""
     import sys
@@ -164,8 +217,8 @@ def _mount_optional_apps() -> None:
         state_app, name="state", help="Inspect, verify and garbage-collect persisted prompt states."
     )
     try:
-        from longstraw.bench.commands import bench_app
-    except ImportError:  # benchmarks are optional in a stripped install
+        from bench.grpo.commands import bench_app
+    except ImportError:  # the benchmarks live in a checkout (bench/), not in the wheel
         return
     app.add_typer(bench_app, name="bench", help="Benchmarks against full-sequence GRPO and TRL.")
 

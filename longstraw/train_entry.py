@@ -82,8 +82,13 @@ def resolve_config(
     return config
 
 
-def summary_table(history) -> Table:
-    table = Table(title="LongStraw training summary")
+def summary_table(history, config: RunConfig | None = None) -> Table:
+    title = "LongStraw training summary"
+    if config is not None and config.model.lora is not None:
+        from longstraw.training.metrics import policy_description
+
+        title = f"{title}\n{policy_description(config, history)}"
+    table = Table(title=title)
     # Short headers: the table must fit an 80-column terminal (and CI logs) untruncated.
     # "shards" is computed/reused prefill shards.
     for column in (
@@ -117,7 +122,7 @@ def run_summary(config: RunConfig, history) -> Table | str:
     """The table of the steps this call ran, or, when it ran none (a `--resume` of a finished
     run), a line that says so and how to train further."""
     if history:
-        return summary_table(history)
+        return summary_table(history, config)
     return (
         f"run {config.run_id!r} already has all {config.train.num_steps} steps: nothing to run; "
         f"pass --steps N (more than {config.train.num_steps}) with --resume to train further"
@@ -442,7 +447,7 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
                 if not debug:
                     import logging
 
-                    from longstraw.orchestration.console import (
+                    from longstraw.flows.console import (
                         hide_replaced_interrupts_on_console,
                         hide_user_errors_on_console,
                     )

@@ -110,3 +110,52 @@ def fresh_prefect_home(migrated_prefect_db) -> Callable[[Path], Path]:
         return home
 
     return make
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "processes: starts other processes (ranks, a `longstraw` CLI or a Python child, a server)",
+    )
+    if "not processes" in (config.option.markexpr or ""):
+        _refuse_unmarked_processes()
+
+
+_running: list[pytest.Item] = []
+"""The test being run (its set-up, call and tear-down, fixtures of any scope included)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    _running.append(item)
+    yield
+    _running.pop()
+
+
+def _refuse_unmarked_processes() -> None:
+    """In a run that leaves out the `processes` tests (`make test-fast`), a test that starts a
+    process anyway — in its body or in a fixture of any scope — fails at once and names the
+    marker it lacks: the fast subset stays what it says it is."""
+    import multiprocessing.process
+    import subprocess
+
+    def check() -> None:
+        if _running and not _running[-1].get_closest_marker("processes"):
+            raise AssertionError(
+                f"{_running[-1].nodeid} starts a process: mark it @pytest.mark.processes "
+                "(tests/README.md)"
+            )
+
+    execute_child = subprocess.Popen._execute_child
+    start = multiprocessing.process.BaseProcess.start
+
+    def checked_execute_child(self, *args, **kwargs):
+        check()
+        return execute_child(self, *args, **kwargs)
+
+    def checked_start(self):
+        check()
+        return start(self)
+
+    subprocess.Popen._execute_child = checked_execute_child
+    multiprocessing.process.BaseProcess.start = checked_start

@@ -127,6 +127,120 @@ def upward_imports(package_dir: Path, levels: dict[str, int]) -> list[str]:
     return found
 
 
+def package_modules(package_dir: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of the package in `package_dir` (its folder's name
+    is the package's)."""
+    root = package_dir.parent
+    return {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(package_dir.rglob("*.py"))
+    }
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules.get(name, Path()).name == "__init__.py"
+
+
+def _reexports(init: Path, package: str, modules: dict[str, Path]) -> dict[str, str]:
+    """Names a package's `__init__` takes from its own modules: name -> defining module."""
+    out = {}
+    for node in ast.walk(ast.parse(init.read_text())):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module in modules
+            and node.module.startswith(package + ".")
+        ):
+            for alias in node.names:
+                out[alias.asname or alias.name] = node.module
+    return out
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at any depth of its source (inside functions
+    too); a name taken from a package's `__init__` counts as an import of the module that
+    defines it."""
+    modules, package = package_modules(package_dir), package_dir.name
+    exports = {
+        name: _reexports(path, name, modules)
+        for name, path in modules.items()
+        if path.name == "__init__.py"
+    }
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in modules:
+                        targets.append(full)
+                    elif _is_package(base, modules) and alias.name in exports.get(base, {}):
+                        targets.append(exports[base][alias.name])
+                    else:
+                        targets.append(base)
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and target.split(".")[0] == package:
+                    graph[name].add(target)
+    return graph
+
+
+def import_circles(package_dir: Path) -> list[list[str]]:
+    """The package's modules that import each other in a circle, inside one folder or across
+    folders: strongly connected components of more than one module (Tarjan, iterative)."""
+    graph = import_graph(package_dir)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     print(json.dumps(check([tuple(layer) for layer in spec["layers"]])))

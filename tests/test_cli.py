@@ -81,8 +81,15 @@ def test_init_model_requires_family_and_out(runner):
 def test_help_lists_the_commands(runner):
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("init-model", "train", "state", "bench"):
+    for command in ("init-model", "merge", "train", "state", "bench"):
         assert command in result.output, result.output
+
+
+def test_merge_of_a_directory_without_adapters_is_one_error_line(runner, tmp_path):
+    result = runner.invoke(app, ["merge", str(tmp_path), "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 2
+    assert "holds no adapter_config.json" in plain(result.output), result.output
+    assert not (tmp_path / "merged").exists()
 
 
 def test_a_resume_with_no_step_left_says_so_instead_of_an_empty_table():

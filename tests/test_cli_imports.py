@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import typer
 
 from longstraw.cli import app
+
+pytestmark = pytest.mark.processes  # a fresh interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "prefect")

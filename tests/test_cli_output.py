@@ -14,6 +14,8 @@ import yaml
 
 from longstraw.schemas.data import HaystackTaskConfig
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 LONG_NAME = "a-storage-root-whose-name-alone-is-longer-than-the-eighty-columns-of-a-pipe-x"
 

@@ -80,9 +80,16 @@ FILLER_LINES: tuple[str, ...] = (
 )
 
 
-def value_record(key: str, value: str) -> str:
-    """The text of a record that gives `key` a value."""
+def value_record(key: str, value: str, record_format: str = "sentence") -> str:
+    """The text of a record that gives `key` a value (`HaystackTaskConfig.record_format`)."""
+    if record_format == "compact":
+        return f"{compact_record_prefix(key)} {value}\n"
     return f"Key {key} has value {value}.\n"
+
+
+def compact_record_prefix(key: str) -> str:
+    """A compact record up to its value: what a `compact` prompt ends with, to be completed."""
+    return f"Key {key}:"
 
 
 def pointer_record(key: str, target: str) -> str:
@@ -130,6 +137,8 @@ def _format_answer(values: list[str], answer_format: str) -> str:
 
 
 def _question(config: HaystackTaskConfig, asked_keys: list[str]) -> str:
+    if config.record_format == "compact":
+        return compact_record_prefix(asked_keys[0])
     single_fmt = " Reply with a JSON string." if config.answer_format == "json" else ""
     if config.variant == "kv_retrieval":
         return f"Question: What is the value of key {asked_keys[0]}?{single_fmt} Answer:"
@@ -187,14 +196,14 @@ class _Draft:
         num_pointers = num_distractors // 3 if c.variant == "multi_hop" else 0
         num_valued = num_distractors - num_pointers
         for key, value in zip(distractor_keys[:num_valued], distractor_values, strict=False):
-            self.distractor_texts.append(value_record(key, value))
+            self.distractor_texts.append(value_record(key, value, c.record_format))
         if num_pointers and num_valued:
             targets = rng.integers(num_valued, size=num_pointers)
             for key, t in zip(distractor_keys[num_valued:], targets.tolist(), strict=True):
                 self.distractor_texts.append(pointer_record(key, distractor_keys[t]))
 
         self.needle_texts = [
-            value_record(n["key"], n["value"])
+            value_record(n["key"], n["value"], c.record_format)
             if n["kind"] == "value"
             else pointer_record(n["key"], n["target"])
             for n in self.needles

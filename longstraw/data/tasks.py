@@ -88,19 +88,16 @@ def register_task(name: str) -> Callable[[TaskGenerator], TaskGenerator]:
     return decorator
 
 
-def _ensure_builtin_tasks() -> None:
-    # Importing the module runs its @register_task decorators.
-    import longstraw.data.haystack  # noqa: F401
+# The built-in generators register as the package imports them (`longstraw.data`'s __init__
+# imports `haystack` before anything reaches this module's functions).
 
 
 def task_names() -> list[str]:
     """Names of the registered task generators."""
-    _ensure_builtin_tasks()
     return sorted(_TASK_GENERATORS)
 
 
 def get_task_generator(name: str) -> TaskGenerator:
-    _ensure_builtin_tasks()
     if name not in _TASK_GENERATORS:
         raise ValueError(f"unknown task {name!r}; choose one of {sorted(_TASK_GENERATORS)}")
     return _TASK_GENERATORS[name]

@@ -333,7 +333,7 @@ def cross_rank_attention(
     ):
         raise RuntimeError(
             "decoding over a sequence-sharded prefix runs replicated and without autograd "
-            "(longstraw.distributed.sharded_rollout); replay the sampled responses for gradients"
+            "(engine.rollout over CrossRankExchange); replay the sampled responses for gradients"
         )
     out_BHRV = _CrossRankAttention.apply(query_BHRD, key_BKRD, value_BKRV, layer, float(scale))
     return out_BHRV.transpose(1, 2).contiguous(), None

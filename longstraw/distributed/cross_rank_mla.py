@@ -55,7 +55,7 @@ from longstraw.distributed.cross_rank_attention import (
 )
 from longstraw.engine.cache import PrefixMlaLayer, SegmentMlaLayer
 from longstraw.models import glm
-from longstraw.models.glm import index_scores, mla_inputs, previous_selection
+from longstraw.models.glm import index_scores, kv_b_weight, mla_inputs, previous_selection
 from longstraw.models.patching import forwards_replaced
 from longstraw.models.stable_routing import stable_routing_installed
 from longstraw.ops.dsa_topk import stable_topk_indices
@@ -423,7 +423,7 @@ def sharded_mla_forward(
         # attention below are already bottom-right aligned, as single-process; no backward.
         raise RuntimeError(
             "decoding over a sequence-sharded prefix runs replicated and without autograd "
-            "(longstraw.distributed.sharded_rollout); replay the sampled responses for gradients"
+            "(engine.rollout over CrossRankExchange); replay the sampled responses for gradients"
         )
     if self.indexer is not None:
         selected = sharded_dsa_selection(
@@ -433,7 +433,7 @@ def sharded_mla_forward(
     else:
         selected = previous_selection(self, prev_topk_indices)
     heads, nope_dim = inputs.q_nope_BHSN.shape[1], inputs.q_nope_BHSN.shape[-1]
-    w_uk_HNR, w_uv_HVR = split_kv_b_weight(self.kv_b_proj.weight, heads, nope_dim)
+    w_uk_HNR, w_uv_HVR = split_kv_b_weight(kv_b_weight(self), heads, nope_dim)
     q_lat_BHSR = torch.einsum("bhsn,hnr->bhsr", inputs.q_nope_BHSN, w_uk_HNR)
     out_lat_BHSR = sharded_latent_attention(
         q_lat_BHSR, inputs.q_rot_BHSE, latent_BXR, rope_BXE, layer, self.layer_idx,

@@ -3,8 +3,8 @@
 Parameters, their gradients and the optimizer state live sharded over "data" (each data rank
 holds a 1/N_data slice of every tensor, `torch.distributed.tensor.DTensor`). The sequence
 dimension keeps its own reduction: its ranks split ONE group's prompt and SUM their partial
-gradients with the branch part counted once (`all_reduce_rank_gradients`), which FSDP's averaging
-reduce-scatter cannot express. So one group step is:
+gradients with the branch part counted once, which FSDP's averaging reduce-scatter cannot
+express. So one group step is:
 
 1. `unsharded_parameters(model)`: FSDP all-gathers every parameter once (one collective per
    FSDP module over "data"). While gathered, `model.named_parameters()` are plain tensors, so the
@@ -13,7 +13,8 @@ reduce-scatter cannot express. So one group step is:
    That matters beyond speed: data replicas hold different prompts, so they run different numbers
    of shard forwards and branch backwards; per-forward all-gathers or per-backward
    reduce-scatters would pair unrelated calls across replicas and deadlock.
-2. `sharded_group_gradients(..., group=seq_group)`: the group's fp32 gradient, summed over "seq".
+2. the group's fp32 gradient, summed over "seq" (the tests' dense reference,
+   `tests/distributed/_group_gradients.py`).
 3. `shard_gradients_over_data`: average over "data" and keep only this rank's slice, set as the
    sharded parameter's `.grad` (a DTensor with the parameter's placements); then FSDP reshards
    the parameters. The optimizer steps on the sharded parameters, so its state is sharded too.
@@ -24,8 +25,9 @@ the local slice: the reference. Training sums data replicas with a reduce-scatte
 
 Sequence-sharded accumulators (no dense fp32 gradient on any rank during the step):
 `shard_model_over_data_and_seq` shards parameters, gradients and optimizer state over the
-flattened mesh (rank (d, s) holds chunk d · N_s + s); `sharded_group_gradient_slices(...,
-group=seq, data_size=N_d)` accumulates exactly the rows that data ranks (·, s) will own; then
+flattened mesh (rank (d, s) holds chunk d · N_s + s); `engine.group.group_gradient(...,
+exchange=CrossRankExchange(seq, topology=mesh_topology(mesh)))` accumulates exactly the rows
+that data ranks (·, s) will own; then
 `set_sharded_gradients` all-reduces those slices over "data" and sets each DTensor `.grad`.
 """
 
@@ -42,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
+from longstraw.distributed.topology import Topology
 from longstraw.engine.group import GradBuffer
 from longstraw.models.adapters import decoder_of
 
@@ -128,8 +131,8 @@ def shard_model_over_data_and_seq(
     """`fully_shard` the model over the FLATTENED ("data", "seq") mesh: rank (d, s) holds chunk
     d · N_s + s of every parameter's dim 0, and so do its gradient and optimizer state.
 
-    Returns the FSDP modules and the flat mesh. Pair with `sharded_group_gradient_slices(...,
-    data_size=N_d)` and `set_sharded_gradients`: the sequence-sharded accumulators hold exactly
+    Returns the FSDP modules and the flat mesh. Pair with `engine.group.group_gradient` over
+    `CrossRankExchange(seq, topology=mesh_topology(mesh))` and `set_sharded_gradients`: the sequence-sharded accumulators hold exactly
     the rows that the data reduction turns into these chunks. `unsharded_parameters` then
     all-gathers over all ranks once per step (every rank takes part, in the same order).
     """
@@ -137,9 +140,16 @@ def shard_model_over_data_and_seq(
     return _fully_shard_units(model, flat), flat
 
 
+def mesh_topology(mesh: DeviceMesh) -> Topology:
+    """The ("data", "seq") mesh as the run's `Topology`: rank (d, s) is the one at d · N_s + s of
+    the flattened mesh."""
+    flat = mesh.mesh.flatten().tolist()
+    return Topology(len(flat), mesh.size(0), flat.index(dist.get_rank()))
+
+
 def slice_layout(mesh: DeviceMesh) -> SliceLayout:
     """This rank's `SliceLayout` on the ("data", "seq") mesh (what `set_sharded_gradients` expects)."""
-    return SliceLayout(mesh.get_local_rank(SEQ), mesh.size(1), mesh.size(0))
+    return SliceLayout.of(mesh_topology(mesh))
 
 
 def set_sharded_gradients(model: PreTrainedModel, slices: GradSlices, mesh: DeviceMesh) -> int:

@@ -12,7 +12,7 @@ order. An all_reduce (gloo) or reduce_scatter (NCCL) of that packed slice over "
 leaves piece d on rank (d, s) — exactly the local shard of FSDP's DTensor `.grad`. With
 N_d = 1 the slice is the contiguous `torch.chunk(param, N_s)[s]`.
 
-Accumulation (`sharded_group_gradient_slices` in `sharded_group`):
+Accumulation (`sliced_gradient`, the `gradient_sink` of `CrossRankExchange`):
 
 * branch replay (replicated, identical gradient on every rank): each parameter's post-accumulate
   hook adds this rank's rows to its slice and drops `.grad` — no communication, and the branch is
@@ -38,7 +38,8 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.cross_rank_attention import announce_gradient_slices
-from longstraw.engine.group import grads_consumed_by, trainable_parameters
+from longstraw.distributed.topology import Topology
+from longstraw.engine.gradient_sink import GradientSink, grads_consumed_by, trainable_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,22 +53,31 @@ class SliceLayout:
     data_size: int = 1
     """N_d: data replicas the slices will later be averaged over (FSDP over data × seq)."""
 
+    @classmethod
+    def of(cls, topology: Topology) -> SliceLayout:
+        """The rows this rank of `topology` accumulates: its sequence index's chunk of every
+        replica."""
+        return cls(topology.sequence_rank, topology.sequence_ranks, topology.replicas)
+
+    @property
+    def topology(self) -> Topology:
+        """The data × seq ranks the rows are laid out over, seen from this sequence rank of
+        replica 0 (every replica's rank s holds the same rows)."""
+        return Topology(self.data_size * self.seq_size, self.data_size, self.seq_rank)
+
     def pieces(self, dim0: int, seq_rank: int | None = None) -> list[tuple[int, int]]:
         """[N_d] (start, end) row ranges of `seq_rank` (default: this rank), in data order."""
         s = self.seq_rank if seq_rank is None else seq_rank
-        chunk = -(-dim0 // (self.data_size * self.seq_size))
-        out = []
-        for d in range(self.data_size):
-            g = d * self.seq_size + s
-            out.append((min(g * chunk, dim0), min((g + 1) * chunk, dim0)))
-        return out
+        topology = self.topology
+        chunk = -(-dim0 // topology.world_size)
+        return [(min(g * chunk, dim0), min((g + 1) * chunk, dim0)) for g in topology.data_ranks(s)]
 
     def rows(self, dim0: int, seq_rank: int | None = None) -> int:
         return sum(end - start for start, end in self.pieces(dim0, seq_rank))
 
     def padded_rows(self, dim0: int) -> int:
         """The most rows any sequence rank holds: the size every rank's scatter part gets."""
-        return self.data_size * -(-dim0 // (self.data_size * self.seq_size))
+        return self.data_size * -(-dim0 // self.topology.world_size)
 
 
 def _packed(full: torch.Tensor, pieces: list[tuple[int, int]], rows: int | None = None):
@@ -192,3 +202,18 @@ def receive_gradient_slices(
         slices.grads[name] += mine[:rows].float()
 
     return receive
+
+
+def sliced_gradient(
+    model: PreTrainedModel, *, group: dist.ProcessGroup | None, ranks: Topology
+) -> GradientSink:
+    """A rank's gradient sink: its dim-0 rows of the gradient (`SliceLayout.of(ranks)`, laid
+    out for the replicas they will be summed over); branch replay (the same on every rank) adds
+    its rows, the sweep's gradient of a shard is scattered from its owner."""
+    params, slices = trainable_parameters(model), GradSlices(model, SliceLayout.of(ranks))
+    return GradientSink(
+        slices,
+        replay=slices_drained_into(params, slices),
+        sweep=slices_scattered_from_owner(params, slices, group=group),
+        on_gradient_slices=receive_gradient_slices(params, slices, group=group),
+    )

@@ -4,7 +4,7 @@ Legend: R replicas of S sequence ranks, global rank g = d · S + s, d0 a paramet
 c = ceil(d0 / (R · S)) the FSDP chunk.
 
 Each replica sums the contributions of the groups it ran. Sequence rank s of replica d then holds
-the rows of chunks {d' · S + s : every d'} of that sum (`gradient_slices.SliceLayout(s, S, R)`;
+the rows of chunks {d' · S + s : every d'} of that sum (`gradient_slices.SliceLayout.of(topology)`;
 with S = 1 the whole gradient). One reduce-scatter over the ranks with the same s (the "data"
 group) adds the replicas' sums and leaves chunk d · S + s — rank g's FSDP shard — on rank g: each
 rank sends and receives (R − 1) / R of its slice, never the dense gradient. The normalisers that
@@ -18,40 +18,33 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from longstraw.distributed.gradient_slices import GradSlices, SliceLayout
+from longstraw.distributed.topology import Topology
 
 TRAFFIC = {"bytes": 0}
 """Bytes this process handed to the replicas' reduce-scatter (what the benchmark reports)."""
 
 
-def replica_layout(parallel, seq_rank: int) -> SliceLayout:
-    """The rows sequence rank `seq_rank` of every replica holds before the replicas' sum."""
-    return SliceLayout(seq_rank, parallel.sequence_ranks, parallel.data_parallel)
-
-
 def zero_replica_rows(
-    model: PreTrainedModel, parallel, seq_rank: int, device: torch.device | str
+    model: PreTrainedModel, topology: Topology, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    """Zeros shaped like a replica's rows of each trainable parameter (a replica that ran no
-    group of the step still takes part in the sum)."""
-    grads = GradSlices(model, replica_layout(parallel, seq_rank)).grads
+    """Zeros shaped like this rank's rows of each trainable parameter before the replicas' sum
+    (a replica that ran no group of the step still takes part in it)."""
+    grads = GradSlices(model, SliceLayout.of(topology)).grads
     return {name: g.to(device) for name, g in grads.items()}
 
 
 def sum_over_replicas(
     model: PreTrainedModel,
     grads: dict[str, torch.Tensor],
-    parallel,
+    topology: Topology,
     data_group: dist.ProcessGroup,
 ) -> dict[str, torch.Tensor]:
-    """`grads` (this replica's sum: [rows of `replica_layout`, *param.shape[1:]] by name)
-    added across the replicas; returns this rank's FSDP shard of each ([chunk rows, ...]).
+    """`grads` (this replica's sum: [rows of `SliceLayout.of(topology)`, *param.shape[1:]] by
+    name) added across the replicas; returns this rank's FSDP shard of each ([chunk rows, ...]).
 
     Collective over `data_group`: every rank of the run calls it once per step, with the same
     names (taken in the model's order)."""
-    size, replicas = parallel.sequence_ranks, parallel.data_parallel
-    rank = dist.get_rank()
-    seq_rank, data_rank = rank % size, rank // size
-    layout = replica_layout(parallel, seq_rank)
+    replicas, layout = topology.replicas, SliceLayout.of(topology)
     shapes = {name: p.shape for name, p in model.named_parameters() if name in grads}
     out = {}
     # In the model's order on every rank: `grads` is in the order its source gave (a gradient
@@ -59,7 +52,7 @@ def sum_over_replicas(
     for name in shapes:
         part = grads[name]
         dim0, rest = shapes[name][0], tuple(shapes[name][1:])
-        chunk = -(-dim0 // (replicas * size))
+        chunk = -(-dim0 // topology.world_size)
         pieces = layout.pieces(dim0)
         # Each replica's piece padded to one chunk: the reduce-scatter splits evenly.
         padded = part.new_zeros((replicas * chunk, *rest))
@@ -72,6 +65,6 @@ def sum_over_replicas(
         mine = part.new_empty((chunk, *rest))
         dist.reduce_scatter_single(mine, padded, group=data_group)
         TRAFFIC["bytes"] += padded.numel() * padded.element_size()
-        start, end = pieces[data_rank]
+        start, end = pieces[topology.replica]
         out[name] = mine[: end - start].clone()
     return out

@@ -4,7 +4,7 @@ With `parallel.world_size: N` every rank of the run holds, between steps, 1/N of
 parameter (dim-0 rows, `torch.chunk` layout: `fully_shard` over the flattened ("data", "seq")
 mesh, global rank g holding chunk g whatever the number of data-parallel replicas), the matching
 fp32 AdamW moments and masters; it accumulates its replica's rows of each group's gradient
-(`sharded_group_gradient_slices`), which `replica_gradients.sum_over_replicas` turns into
+(`engine.group.group_gradient`'s sink over the ranks), which `replica_gradients.sum_over_replicas` turns into
 exactly its chunk when there are several replicas. So the
 optimizer state and gradient accumulators — 16 bytes per parameter in fp32 AdamW, against 2
 for the bf16 weights — are divided by N, which is what lets a 27B policy train on 8 devices.
@@ -105,14 +105,18 @@ def local_shards(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
 
 
 def full_state_dict(
-    model: PreTrainedModel, weights: ShardedWeights, *, copy: bool
+    model: PreTrainedModel, weights: ShardedWeights, *, copy: bool, trainable_only: bool = False
 ) -> dict[str, torch.Tensor]:
     """The whole weights (parameters and persistent buffers) on the CPU, from the gathered
     parameters: what `save_pretrained(state_dict=...)` writes. Gathers first if needed (so
-    every rank calls it); only a rank with `copy` makes the CPU copy ({} elsewhere)."""
+    every rank calls it); only a rank with `copy` makes the CPU copy ({} elsewhere).
+    `trainable_only`: the trainable parameters alone (a LoRA policy's adapters: what peft's
+    `save_pretrained` keeps of a state dict), not the frozen base."""
     weights.gather()
     if not copy:
         return {}
+    if trainable_only:
+        return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     out = {name: p.detach().cpu() for name, p in model.named_parameters()}
     for prefix, module in model.named_modules():
         for name, buffer in module._buffers.items():

@@ -20,7 +20,7 @@ traceback; a rank that died breaks the connections and fails the driver's next c
 `RankFailedError`.
 
 Data-parallel replicas (`parallel.data_parallel: R`): the world is R replicas of S sequence ranks
-(global rank d · S + s). The driver drives each replica from a thread of its own, its "lane"
+(`topology.Topology`, built once here where the group starts). The driver drives each replica from a thread of its own, its "lane"
 (`on_replica(d)`): a stage called in lane d runs on replica d's ranks only, over that replica's
 groups (`Replica`), so the replicas run different groups at once. Between `replicas_serving()`'s
 entry and exit the serving ranks listen to their replica's channel instead of the world's; the
@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longstraw.distributed.launch import RankFailedError, free_port
+from longstraw.distributed.topology import Topology
 from longstraw.errors import UserError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,12 +99,11 @@ class Replica:
         return len(self.ranks)
 
 
-def replica_groups(world_size: int, data_parallel: int, backend: str, timeout) -> list[Replica]:
+def replica_groups(topology: Topology, backend: str, timeout) -> list[Replica]:
     """Every replica's groups (collective: every rank creates every group, in the same order)."""
-    size = world_size // data_parallel
     replicas = []
-    for d in range(data_parallel):
-        ranks = tuple(range(d * size, (d + 1) * size))
+    for d in range(topology.replicas):
+        ranks = topology.replica_ranks(d)
         control = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
         sequence = (
             control
@@ -117,33 +117,29 @@ def replica_groups(world_size: int, data_parallel: int, backend: str, timeout) -
     return replicas
 
 
-def data_groups(world_size: int, data_parallel: int, backend: str, timeout) -> list:
+def data_groups(topology: Topology, backend: str, timeout) -> list:
     """[S] groups of the ranks with the same sequence index across the replicas (rank s, S + s,
     …): where the replicas' gradients are summed (collective, like `replica_groups`)."""
-    size = world_size // data_parallel
     return [
-        dist.new_group(
-            [d * size + s for d in range(data_parallel)], backend=backend, timeout=timeout
-        )
-        for s in range(size)
+        dist.new_group(list(topology.data_ranks(s)), backend=backend, timeout=timeout)
+        for s in range(topology.sequence_ranks)
     ]
 
 
 class StageGroup:
-    """The ranks of one run; rank 0 drives (`call`), the others `serve`."""
+    """The ranks of one run — their `Topology` and its groups —; rank 0 drives (`call`), the
+    others `serve`."""
 
     def __init__(
         self,
-        rank: int,
-        world_size: int,
+        topology: Topology,
         control: dist.ProcessGroup,
         procs: list,
         store: dist.Store | None = None,
         replicas: list[Replica] = (),
         data_group: dist.ProcessGroup | None = None,
     ):
-        self.rank = rank
-        self.world_size = world_size
+        self.topology = topology
         self.control = control
         self.replicas = list(replicas)
         """Each data-parallel replica's groups (empty with one replica: it is the world)."""
@@ -160,6 +156,14 @@ class StageGroup:
         self.serving = threading.local()
 
     @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
@@ -168,7 +172,7 @@ class StageGroup:
         """This rank's replica (None with one replica)."""
         if not self.replicas:
             return None
-        return self.replicas[self.rank // self.replicas[0].size]
+        return self.replicas[self.topology.replica]
 
     def inside_stage(self) -> bool:
         return getattr(self.serving, "active", False)
@@ -371,15 +375,20 @@ def active_group() -> StageGroup | None:
     return _active
 
 
+def active_topology() -> Topology:
+    """The run's ranks as this process sees them (one process: every degree at 1)."""
+    return Topology() if _active is None else _active.topology
+
+
 def stage_ranks() -> tuple[int, int]:
     """(this rank's index, the number of ranks) among those running the current stage: its
     replica's, or every rank's; (0, 1) in a single process."""
     if _active is None:
         return 0, 1
-    scope = _active.scope()
+    scope, topology = _active.scope(), _active.topology
     if scope is None:
-        return _active.rank, _active.world_size
-    return scope.ranks.index(_active.rank), scope.size
+        return topology.rank, topology.world_size
+    return topology.sequence_rank, topology.sequence_ranks
 
 
 def stage_control() -> dist.ProcessGroup | None:
@@ -487,22 +496,24 @@ def _die_with_parent() -> None:
 
 
 def _join(rank: int, parallel, init_method: str = "env://") -> StageGroup:
-    world_size, backend = parallel.world_size, parallel.backend
+    topology, backend = Topology.of(parallel, rank), parallel.backend
     timeout = datetime.timedelta(seconds=parallel.timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        backend,
+        init_method=init_method,
+        rank=topology.rank,
+        world_size=topology.world_size,
+        timeout=timeout,
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     store = dist.distributed_c10d._get_default_store()
     replicas, data_group = [], None
-    if parallel.data_parallel > 1:
-        replicas = replica_groups(world_size, parallel.data_parallel, backend, timeout)
-        data_group = data_groups(world_size, parallel.data_parallel, backend, timeout)[
-            rank % parallel.sequence_ranks
-        ]
-    return StageGroup(rank, world_size, control, [], store, replicas, data_group)
+    if topology.replicas > 1:
+        replicas = replica_groups(topology, backend, timeout)
+        data_group = data_groups(topology, backend, timeout)[topology.sequence_rank]
+    return StageGroup(topology, control, [], store, replicas, data_group)
 
 
 def _serve_spawned(rank: int, parallel, port: int) -> None:

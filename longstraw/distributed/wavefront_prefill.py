@@ -80,7 +80,7 @@ from longstraw.distributed.cross_rank_mla import (
     serve_candidates,
 )
 from longstraw.distributed.exchange import CrossRankExchange
-from longstraw.distributed.sharded_prefill import owner_prefill_cache
+from longstraw.distributed.layer_placement import owner_prefill_cache
 from longstraw.engine.attention import CACHE_KWARG
 from longstraw.engine.prefill import prefill_target, prompt_tensor, run_shard_forward
 from longstraw.engine.state import PrefixState, rank_shard_ranges
@@ -735,5 +735,5 @@ def wavefront_prefill(
         if on_shard is not None:
             for thread in threads:
                 on_shard(state, thread.shard)
-        exchange.share_final_state(state)
+        exchange.shards.share_final_state(state)
     return state

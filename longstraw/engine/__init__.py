@@ -1,4 +1,8 @@
-"""Single-process algorithm: prefill, replay, rollout, reverse sweep, group gradient."""
+"""The algorithm at any placement: prefill, replay, rollout, reverse sweep, group gradient.
+
+One process is the placement with one rank; on a sequence group of ranks the same functions
+run with the ranks' `PrefixExchange` (`longstraw.distributed.exchange.CrossRankExchange`).
+"""
 
 from longstraw.engine.group import GradBuffer, accumulate_group_gradients
 from longstraw.engine.prefill import prefill

@@ -34,7 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.exchange import LOCAL, PrefixExchange
-from longstraw.engine.replay import replay_logits
+from longstraw.engine.replay import decoding_cache, replay_logits
 from longstraw.engine.rollout import SamplingParams, decode, decode_response
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import check_positions
@@ -204,7 +204,7 @@ def sample_agent_branch(
     check_positions(
         state.spec, state.prompt_len + limits.max_branch_tokens, what="prompt + branch budget"
     )
-    cache = exchange.decoding_cache(state, batch_size=1, branch_capacity=limits.max_branch_tokens)
+    cache = decoding_cache(state, exchange, batch_size=1, branch_capacity=limits.max_branch_tokens)
     trajectory = AgentTrajectory()
     timeout = limits.step_timeout_s
 
@@ -214,8 +214,10 @@ def sample_agent_branch(
         return logits_1V
 
     pending = [state.last_token_id]  # fed before the next turn is decoded
-    with exchange.attention_enabled(model):
-        _, error = exchange.on_leader(lambda: _answer(timeout, environment.reset, metadata))
+    with exchange.layers.attention_enabled(model):
+        _, error = exchange.collectives.on_leader(
+            lambda: _answer(timeout, environment.reset, metadata)
+        )
         if error is not None:
             trajectory.finish_reason, trajectory.error = "error", f"reset: {error}"
             return trajectory
@@ -236,12 +238,12 @@ def sample_agent_branch(
             first = torch.tensor([pending], dtype=torch.long, device=model.device)
             (turn,) = decode(
                 next_logits, first, turn_params, generator=generator,
-                after_draw=exchange.check_draws,
+                after_draw=exchange.collectives.check_draws,
             )  # fmt: skip
             trajectory.extend(turn.token_ids, sampled=turn.logprobs)
             text = decode_response(tokenizer, turn.token_ids) if tokenizer is not None else ""
             trajectory.turns.append(text)
-            answer, error = exchange.on_leader(
+            answer, error = exchange.collectives.on_leader(
                 lambda text=text: _checked_answer(timeout, environment, text)
             )
             if error is not None:
@@ -285,7 +287,7 @@ def _made_on_leader(make_environment: Callable[[], Environment], exchange: Prefi
             return _describe(exc)
         return None
 
-    error = exchange.on_leader(make)
+    error = exchange.collectives.on_leader(make)
     if "error" in made:
         raise made["error"]
     if error is not None:

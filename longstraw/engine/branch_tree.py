@@ -46,6 +46,7 @@ from longstraw.engine.segmented_replay import (
 from longstraw.engine.state import PrefixState
 
 TreeLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, object]]
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
 
 
 @dataclass
@@ -230,3 +231,35 @@ def _add_ancestor_cotangent(child: PromptCotangent, parent: PromptCotangent, end
         src = getattr(child, array.field) if array.per_token else None
         if src is not None:
             getattr(parent, array.field)[:, :end] += src[:, :end]
+
+
+def segmented_branch_backward(
+    model: PreTrainedModel,
+    prompt: PrefixState,
+    response_ids: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    segment_tokens: int,
+    temperature: float = 1.0,
+    cotangent: PromptCotangent | None = None,
+    exchange: PrefixExchange = LOCAL,
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Replay one branch in segments and backpropagate `loss_fn(logp [R])` through it.
+
+    Returns (log-probs [R] detached, the loss (0-d, detached), the loss's stats). Parameter
+    gradients accumulate as in `loss.backward()`; with `cotangent` (exact mode) the cotangent
+    of the prompt state the branch read is added into it, including its final linear-attention
+    state (what `BranchCache.add_leaf_grads_into` does for a whole-branch replay). A prefix
+    tree of one branch (`longstraw.engine.branch_tree`).
+    """
+    (result,) = tree_group_backward(
+        model,
+        prompt,
+        [response_ids],
+        lambda i, logp: loss_fn(logp),
+        segment_tokens=segment_tokens,
+        temperature=temperature,
+        cotangent=cotangent,
+        exchange=exchange,
+    )
+    return result

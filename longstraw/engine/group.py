@@ -21,16 +21,16 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.engine.branch_tree import tree_group_backward
+from longstraw.engine.branch_tree import segmented_branch_backward, tree_group_backward
 from longstraw.engine.exchange import LOCAL, PrefixExchange
+from longstraw.engine.gradient_sink import HoldsGrads, grads_set_aside, trainable_parameters
 from longstraw.engine.prefill import prefill
-from longstraw.engine.replay import PromptCotangent
-from longstraw.engine.segmented_replay import segmented_branch_backward
+from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
@@ -45,77 +45,13 @@ from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.grpo.losses import BranchStats, branch_loss, reduce_stats, sequence_weights
 from longstraw.models.adapters import state_spec
+from longstraw.models.lora import adapter_dropout_training, has_adapter_dropout
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.results import GroupStats, StageSeconds, StateTraffic
 from longstraw.schemas.run import EngineConfig
 
 PromptGrad = Literal["exact", "detached"]
 PROMPT_GRAD_MODES = ("exact", "detached")
-
-
-def drain_grads_into(params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer) -> None:
-    for name, p in params:
-        if p.grad is not None:
-            buffer.grads[name] += p.grad.float()
-            p.grad = None
-
-
-@contextlib.contextmanager
-def grads_consumed_by(
-    params: list[tuple[str, torch.nn.Parameter]],
-    consume: Callable[[int, str, torch.Tensor], None],
-) -> Iterator[None]:
-    """Inside the block, each parameter's gradient is handed to `consume(index in params, name,
-    grad)` the moment autograd has accumulated it, and `.grad` is dropped: a backward never holds
-    a second full copy of the gradients beside the accumulator, only the parameter being
-    accumulated (for a bf16 model of 27 B parameters, the 54 GB of `.grad` that draining after
-    the backward would keep).
-    """
-
-    def hook(p: torch.nn.Parameter, index: int, name: str) -> None:
-        consume(index, name, p.grad)
-        p.grad = None
-
-    handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(hook, index=i, name=name))
-        for i, (name, p) in enumerate(params)
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def grads_drained_into(
-    params: list[tuple[str, torch.nn.Parameter]], buffer: GradBuffer
-) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, each parameter's gradient is added to the fp32 `buffer` as soon as
-    autograd has accumulated it (`grads_consumed_by`)."""
-
-    def add(index: int, name: str, grad: torch.Tensor) -> None:
-        buffer.grads[name] += grad.float()
-
-    return grads_consumed_by(params, add)
-
-
-def trainable_parameters(model: PreTrainedModel) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-@contextlib.contextmanager
-def grads_set_aside(params: list[tuple[str, torch.nn.Parameter]]) -> Iterator[None]:
-    """`.grad` of the parameters is None inside the block and restored after it: gradients
-    accumulated before are set aside so that the block's contribution is measured alone, and
-    the caller's `.grad` is left untouched."""
-    stashed = {name: p.grad for name, p in params}
-    for _, p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for name, p in params:
-            p.grad = stashed[name]
 
 
 def deterministic_when_exact(prompt_grad: str) -> contextlib.AbstractContextManager[None]:
@@ -159,7 +95,7 @@ def peak_rss_bytes() -> int:
 
 @dataclass(frozen=True)
 class GroupInputs:
-    """One group's checked branch inputs, the same for the single-process and sharded paths.
+    """One group's checked branch inputs, the same at every placement.
 
     Every list has one entry per response; None where that input was not given.
     """
@@ -352,27 +288,6 @@ def accumulate_group_gradients(
     return stats.model_copy(update={"seconds": seconds})
 
 
-class HoldsGrads(Protocol):
-    """A gradient accumulator: fp32 tensors by trainable parameter name."""
-
-    grads: dict[str, torch.Tensor]
-
-
-@dataclass
-class GradientSink:
-    """Where one group's parameter gradients accumulate (`PrefixExchange.gradient_sink`)."""
-
-    accumulator: HoldsGrads
-    """`.grads` by parameter name: the whole fp32 gradient (one process, a `GradBuffer`) or
-    this rank's dim-0 rows of it (`longstraw.distributed.gradient_slices.GradSlices`)."""
-    replay: contextlib.AbstractContextManager
-    """Around branch replay: takes each parameter's gradient as autograd accumulates it."""
-    sweep: contextlib.AbstractContextManager
-    """Around the reverse sweep, likewise."""
-    on_gradient_slices: Callable[[int, int], None] | None = None
-    """The sweep's receiver of gradient rows another rank's shard produced (ranks)."""
-
-
 def group_gradient(
     model: PreTrainedModel,
     state: PrefixState,
@@ -381,7 +296,6 @@ def group_gradient(
     engine: EngineConfig,
     *,
     exchange: PrefixExchange = LOCAL,
-    data_size: int = 1,
     checkpoints: SweepCheckpoints | None = None,
     on_sweep_shard: Callable[[int, int, int], None] | None = None,
 ) -> tuple[HoldsGrads, GroupStats]:
@@ -390,13 +304,13 @@ def group_gradient(
     `GradientSink.accumulator` —, the group's statistics).
 
     `state` is the whole prompt state or this rank's part; `exchange` (`engine.exchange`) the
-    placement's, `data_size` the data replicas a rank's rows will be averaged over. Under
-    `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
+    placement's (on ranks: this rank's rows, laid out for the replicas they are summed over).
+    Under `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
     `engine.state_tier`. The figures a memory limit must cover (peak RSS, the cotangent's bytes,
     the tiered state's traffic) are the busiest rank's. `.grad` is left untouched.
     `checkpoints` and `on_sweep_shard` as in `replay_and_sweep`.
     """
-    sink = exchange.gradient_sink(model, data_size=data_size)
+    sink = exchange.gradient_sink(model)
     exact = engine.prompt_grad == "exact"
     with tiered_for_group(
         model, state, engine.state_budget_bytes, engine.state_tier, engine.state_dir, exact
@@ -414,7 +328,7 @@ def group_gradient(
         figures = [peak_rss_bytes(), record.cotangent_bytes]
         if traffic is not None:
             figures += [traffic.peak_resident_bytes, traffic.bytes_read, traffic.bytes_written]
-        peak, cotangent_bytes, *tiered = exchange.busiest(figures)
+        peak, cotangent_bytes, *tiered = exchange.collectives.busiest(figures)
         stats = group_stats(
             engine.prompt_grad,
             state,
@@ -516,14 +430,16 @@ def replay_group_branches(
             )
             record.add(logp, loss, stats)
             continue
-        logp, hand_back = exchange.replay_branch(
-            model, state, response, temperature=temperature, cotangent=cotangent
-        )
+        logp, branch = replay_branch(
+            model, state, response, temperature=temperature, cotangent=cotangent,
+            exchange=exchange,
+        )  # fmt: skip
         loss, stats = inputs.branch_loss(i, logp, loss_config)
         loss.backward()
-        hand_back()
+        if cotangent is not None:
+            branch.add_leaf_grads_into(cotangent)
         record.add(logp, loss, stats)
-        del logp, loss, hand_back
+        del logp, loss, branch
     record.seconds["replay"] = time.perf_counter() - started
     return record
 
@@ -563,13 +479,16 @@ def replay_and_sweep(
     """
     params = trainable_parameters(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
+    dropout = adapter_dropout_in_replay(
+        model, prompt_grad, inputs.response_ids, segment_tokens, share_prefixes
+    )
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
         resumed = None
         if cotangent is not None and checkpoints is not None:
             resumed = resumed_sweep(state, cotangent, accumulator, checkpoints)
         if resumed is None:
             swept = 0
-            with replay_sink:
+            with replay_sink, dropout:
                 record = replay_group_branches(
                     model, state, inputs, loss_config, cotangent, segment_tokens=segment_tokens,
                     share_prefixes=share_prefixes, exchange=exchange,
@@ -620,6 +539,35 @@ def resumed_sweep(
     # This attempt replayed nothing: its replay took no time.
     record = ReplayRecord(logprobs, losses, stats, seconds={"replay": 0.0})
     return record, found.swept
+
+
+def adapter_dropout_in_replay(
+    model: PreTrainedModel,
+    prompt_grad: str,
+    response_ids: Sequence[torch.Tensor],
+    segment_tokens: int | None,
+    share_prefixes: bool,
+) -> contextlib.AbstractContextManager[None]:
+    """The adapters' dropout (LoRA's `lora_dropout`) for the differentiated branch forwards:
+    masks drawn there, as a training forward draws them (`models.lora.adapter_dropout_training`;
+    nothing for a model without it). Only where that forward is the one differentiated: the
+    reverse sweep, segments and a prefix tree recompute forwards and check them bitwise against
+    the first pass, which a new mask breaks — refused there."""
+    if not has_adapter_dropout(model):
+        return contextlib.nullcontext()
+    recomputed = None
+    if prompt_grad == "exact":
+        recomputed = "prompt_grad exact (the reverse sweep recomputes every prefill shard)"
+    elif share_prefixes:
+        recomputed = "share_response_prefixes (the prefix tree recomputes shared turns)"
+    elif segment_tokens is not None and any(r.numel() > segment_tokens for r in response_ids):
+        recomputed = f"branch_segment_tokens {segment_tokens} (segments are recomputed)"
+    if recomputed is not None:
+        raise ValueError(
+            f"the model's LoRA adapters have dropout, which {recomputed} cannot reproduce bit for "
+            "bit — set lora_dropout to 0, or train detached without segments or shared prefixes"
+        )
+    return adapter_dropout_training(model)
 
 
 def group_stats(

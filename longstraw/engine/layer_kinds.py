@@ -6,9 +6,9 @@ heads, Dk / Dv delta-rule key / value dims, R latent rank, E rope dim, Di indexe
 
 Users of these objects, single process and sequence-sharded alike:
 - `allocate`: `engine.state.PrefixState` (a whole state or a rank's part);
-- `prefill_layer`: `engine.prefill`, `distributed.sharded_prefill.owner_prefill_cache`;
+- `prefill_layer`: `engine.prefill`, `distributed.layer_placement.owner_prefill_cache`;
 - `branch_layer`: `engine.replay.branch_cache` (one process or a rank);
-- `sweep_layer`: `engine.sweep`, `distributed.sharded_replay` (the owner's shard);
+- `sweep_layer`: `engine.sweep` (on the ranks: the shard's owner, `layer_placement.owner_kwargs`);
 - `segment_layer`: `engine.segmented_replay` and `engine.branch_tree`, on either placement
   (`engine.exchange` says how the prompt's part held by other ranks is read).
 

@@ -100,25 +100,25 @@ def prefill(
             f"end_shard {end_shard} must lie in [start_shard, num_shards] = "
             f"[{start_shard}, {state.num_shards}]"
         )
-    with torch.no_grad(), exchange.attention_enabled(model):
+    with torch.no_grad(), exchange.layers.attention_enabled(model):
         for shard in range(stop):
             if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
                 # Also at restored boundaries: the start state of a rank's first shard is the
                 # previous owner's end state, which that rank did not restore itself.
-                exchange.hand_over_start_state(state, shard)
+                exchange.shards.hand_over_start_state(state, shard)
             if shard < start_shard:
                 continue
             if state.owner_of(shard) == state.rank:
                 start, end = state.bounds[shard]
-                cache = prefill_cache(state, shard, exchange.owner_kind_kwargs(state, shard))
+                cache = prefill_cache(state, shard, exchange.layers.owner_kwargs(state, shard))
                 run_shard_forward(model, ids, cache, start, end)
-                exchange.finish_owned_shard(state)
+                exchange.shards.finish_owned_shard(state)
                 if on_shard is not None:
                     on_shard(state, shard)
             else:
-                exchange.serve_shard(model, state, shard, None, None)
+                exchange.shards.serve_shard(model, state, shard, None, None)
         if stop == state.num_shards:
-            exchange.share_final_state(state)
+            exchange.shards.share_final_state(state)
     return state
 
 
@@ -145,7 +145,7 @@ def allocate_prompt_state(
         state_spec(model),
         prompt_ids=prompt_tensor(model, prompt_ids),
         shard_tokens=shard_tokens,
-        placement=exchange.placement(),
+        placement=exchange.shards.placement(),
         dtype=next(model.parameters()).dtype,
         device=model.device if device is None else device,
     )

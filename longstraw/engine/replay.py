@@ -110,7 +110,7 @@ def branch_cache(
         cotangent,
         leaves=leaves,
         batch_size=batch_size,
-        kind_kwargs=exchange.branch_kind_kwargs(
+        kind_kwargs=exchange.layers.branch_kwargs(
             state, keep_branch=keep_branch, branch_capacity=branch_capacity
         ),
     )
@@ -141,7 +141,7 @@ def replay_logits(
     offset = cache.position_offset
     position_ids = torch.arange(offset, offset + length, device=model.device).expand(batch, -1)
     with (
-        exchange.attention_enabled(model),
+        exchange.layers.attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: BLOCK_TOKENS),
     ):
         output = model(
@@ -179,6 +179,17 @@ def branch_logprobs(
     return replay_branch(model, state, response_ids, temperature=temperature, cotangent=cotangent)[
         0
     ]
+
+
+def decoding_cache(
+    state: PrefixState, exchange: PrefixExchange, *, batch_size: int, branch_capacity: int
+) -> StateCache:
+    """The cache a sampler decodes on: `batch_size` rows whose attention layers keep the rows'
+    own K/V between forwards (buffers for `branch_capacity` tokens where the layers take one)."""
+    return branch_cache(
+        state, keep_branch=True, batch_size=batch_size, branch_capacity=branch_capacity,
+        exchange=exchange,
+    ).cache  # fmt: skip
 
 
 def replay_branch(

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.engine.exchange import LOCAL, PrefixExchange
-from longstraw.engine.replay import replay_logits
+from longstraw.engine.replay import decoding_cache, replay_logits
 from longstraw.engine.state import PrefixState
 from longstraw.engine.validation import check_positions
 
@@ -175,7 +175,7 @@ def sample_responses(
         state.spec, state.prompt_len + params.max_new_tokens, what="prompt + max_new_tokens"
     )
     rows = params.num_samples
-    cache = exchange.decoding_cache(state, batch_size=rows, branch_capacity=params.max_new_tokens)
+    cache = decoding_cache(state, exchange, batch_size=rows, branch_capacity=params.max_new_tokens)
 
     def next_logits(tokens_G1: torch.Tensor) -> torch.Tensor:
         logits_GV = replay_logits(model, state, tokens_G1, cache, exchange)[:, -1]
@@ -184,14 +184,14 @@ def sample_responses(
 
     first_G1 = torch.full((rows, 1), state.last_token_id, dtype=torch.long, device=model.device)
     # Installed once for the whole loop (each step's `replay_logits` then finds it in place).
-    with exchange.attention_enabled(model):
+    with exchange.layers.attention_enabled(model):
         return decode(
             next_logits,
             first_G1,
             params,
             generator=generator,
             tokenizer=tokenizer,
-            after_draw=exchange.check_draws,
+            after_draw=exchange.collectives.check_draws,
         )
 
 

@@ -32,10 +32,7 @@ both modes. Compute: one extra forward of the branch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from transformers import PreTrainedModel
 
 from longstraw.engine.cache import StateCache
 from longstraw.engine.exchange import LOCAL, PrefixExchange
@@ -48,8 +45,6 @@ from longstraw.engine.recomputed_span import (
 )
 from longstraw.engine.replay import PromptCotangent, replay_logits, token_logprobs
 from longstraw.engine.state import PrefixState
-
-LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, object]]
 
 
 def segment_bounds(num_tokens: int, segment_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -110,7 +105,7 @@ def _segment_cache(
         branch_cotangent=branch_cotangent,
         leaves=leaves,
         on_update=on_update,
-        kind_kwargs=exchange.segment_kind_kwargs(prompt),
+        kind_kwargs=exchange.layers.segment_kwargs(prompt),
     )
     return StateCache(layers, position_offset=prompt.num_tokens + a), leaves
 
@@ -123,40 +118,6 @@ def _writer(branch: PrefixState, k: int) -> Record:
 
 # A mismatch between a segment's two forwards: a kernel that is not deterministic.
 _SEGMENT_REMEDY = "run with deterministic kernels"
-
-
-def segmented_branch_backward(
-    model: PreTrainedModel,
-    prompt: PrefixState,
-    response_ids: torch.Tensor,
-    loss_fn: LossFn,
-    *,
-    segment_tokens: int,
-    temperature: float = 1.0,
-    cotangent: PromptCotangent | None = None,
-    exchange: PrefixExchange = LOCAL,
-) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """Replay one branch in segments and backpropagate `loss_fn(logp [R])` through it.
-
-    Returns (log-probs [R] detached, the loss (0-d, detached), the loss's stats). Parameter
-    gradients accumulate as in `loss.backward()`; with `cotangent` (exact mode) the cotangent
-    of the prompt state the branch read is added into it, including its final linear-attention
-    state (what `BranchCache.add_leaf_grads_into` does for a whole-branch replay). A prefix
-    tree of one branch (`longstraw.engine.branch_tree`).
-    """
-    from longstraw.engine.branch_tree import tree_group_backward
-
-    (result,) = tree_group_backward(
-        model,
-        prompt,
-        [response_ids],
-        lambda i, logp: loss_fn(logp),
-        segment_tokens=segment_tokens,
-        temperature=temperature,
-        cotangent=cotangent,
-        exchange=exchange,
-    )
-    return result
 
 
 def _segment_backward(

@@ -50,9 +50,11 @@ from longstraw.engine.recomputed_span import (
 from longstraw.engine.replay import PromptCotangent
 from longstraw.engine.state import PrefixState
 from longstraw.models.adapters import decoder_of
+from longstraw.models.lora import is_plain_linear, linear_parts
 from longstraw.ops.blockwise_backward import (
     BLOCK_TOKENS,
     GatedMlp,
+    LowRank,
     OutputProjection,
     rows_recomputed_in_blocks,
 )
@@ -113,17 +115,21 @@ def _is_silu(act: nn.Module) -> bool:
 
 def _gated_mlp_split(mlp: nn.Module) -> GatedMlp | OutputProjection | None:
     """How the blockwise backward may take a gated MLP (down_proj of act(gate_proj(x)) *
-    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free projections with a SiLU, else its
-    down projection by hand (`OutputProjection`); None for any other MLP."""
-    if not (
-        isinstance(getattr(mlp, "down_proj", None), nn.Linear) and _is_gated_mlp_class(type(mlp))
-    ):
+    up_proj(x)) apart: all by hand (`GatedMlp`) for bias-free linear projections with a SiLU,
+    each a plain `nn.Linear` or one with a LoRA adapter (peft's `lora.Linear`, whose low-rank
+    path the backward takes by hand too: `models.lora.linear_parts`); else its down projection
+    by hand (`OutputProjection`) when that one is a plain linear layer; None for any other
+    MLP. A projection neither plain nor such an adapter (a wrapper whose forward adds to its
+    weight) is never taken by hand: it runs as a module and autograd differentiates it."""
+    if not _is_gated_mlp_class(type(mlp)):
         return None
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if _is_silu(mlp.act_fn) and all(
-        isinstance(p, nn.Linear) and p.bias is None for p in projections
-    ):
-        return GatedMlp(*projections)
+    parts = [linear_parts(p) for p in projections]
+    if _is_silu(mlp.act_fn) and all(p is not None and p[0].bias is None for p in parts):
+        low_rank = tuple(None if lr is None else LowRank(*lr) for _, lr in parts)
+        return GatedMlp(*(base for base, _ in parts), low_rank=low_rank)
+    if not is_plain_linear(mlp.down_proj):
+        return None
 
     def inner(x: torch.Tensor) -> torch.Tensor:
         return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
@@ -181,7 +187,7 @@ def sweep_forward(model: PreTrainedModel, exchange: PrefixExchange = LOCAL) -> I
     run during backward, outside the caller's blocks, and enter this again.
     """
     with (
-        exchange.attention_enabled(model),
+        exchange.layers.attention_enabled(model),
         delta_rule_backward_recomputed(model, lambda: SWEEP_BLOCK_TOKENS),
         mlps_recomputed_in_blocks(model),
     ):
@@ -256,17 +262,17 @@ def sweep_prompt_shards(
         # Every rank replayed the same branches; only the last rank's copy is the real dS.
         cotangent.conv.zero_()
         cotangent.recurrent.zero_()
-    with exchange.attention_enabled(model):
+    with exchange.layers.attention_enabled(model):
         for shard in reversed(range(state.num_shards - swept)):
             if state.owner_of(shard) == state.rank:
                 sweep_shard(model, state, cotangent, shard, exchange)
-                exchange.finish_owned_shard(state)
+                exchange.shards.finish_owned_shard(state)
                 if after_shard is not None:
                     after_shard(shard)
             else:
-                exchange.serve_shard(model, state, shard, cotangent, on_gradient_slices)
+                exchange.shards.serve_shard(model, state, shard, cotangent, on_gradient_slices)
             if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
-                exchange.hand_back_start_cotangent(state, cotangent, shard)
+                exchange.shards.hand_back_start_cotangent(state, cotangent, shard)
             if on_shard_done is not None:
                 on_shard_done(shard)
 
@@ -297,20 +303,27 @@ def sweep_shard(
         checkpoint=state.local_checkpoint(shard),
         leaves=leaves,
         record=outputs,
-        kind_kwargs=exchange.owner_kind_kwargs(state, shard),
+        kind_kwargs=exchange.layers.owner_kwargs(state, shard),
     )
     with first_pass_outputs_kept(_in_shard_backward):
-        with torch.enable_grad(), sweep_forward(model, exchange), exchange.recomputed_layers(model):
+        # Each decoder layer keeps only its input and recomputes in backward, where the
+        # placement allows it (on ranks a layer's recomputation would read the prefix again).
+        recompute = (
+            layerwise_recompute(model)
+            if exchange.shards.recomputes_layers
+            else contextlib.nullcontext()
+        )
+        with torch.enable_grad(), sweep_forward(model, exchange), recompute:
             cache = StateCache(layers, position_offset=start)
             run_shard_forward(model, state.prompt_ids, cache, start, end)
-        with exchange.attention_enabled(model), _mlp_skipped_in_layer_recompute():
+        with exchange.layers.attention_enabled(model), _mlp_skipped_in_layer_recompute():
             backward_recomputed_span(
                 outputs,
                 state,
                 cotangent,
                 rows=state.local_rows(start, end),
                 end_checkpoint=state.local_checkpoint(shard) + 1,
-                what=exchange.shard_name(state, shard),
+                what=exchange.shards.shard_name(state, shard),
                 remedy=STATE_MISMATCH_REMEDY,
             )
     take_start_cotangent(leaves, cotangent)

@@ -161,10 +161,10 @@ def _drain_prefect_queues() -> None:
 def create_app():
     """Prefect's server app (what `prefect.server.api.server:create_app` makes for uvicorn), with
     its console quiet about a full or read-only volume after the first line of each (the run
-    says what to do; `orchestration.console`). Called by uvicorn once logging is set up."""
+    says what to do; `flows.console`). Called by uvicorn once logging is set up."""
     from prefect.server.api.server import create_app as prefect_app
 
-    from longstraw.orchestration.console import all_handlers, quiet_volume_faults
+    from longstraw.flows.console import all_handlers, quiet_volume_faults
 
     app = prefect_app()
     quiet_volume_faults(all_handlers(), short=True)

@@ -9,17 +9,17 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from longstraw.orchestration.names import (
+from longstraw.audit.names import (
     artifact_key,
     metrics_row,
     rounded_rows,
     step_flow_run_name,
     step_tags,
 )
-from longstraw.orchestration.stages import prefect_stages
 from longstraw.schemas.refs import PolicyRef
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig
+from longstraw.tasks.stages import prefect_stages
 from longstraw.training.step import run_step
 
 

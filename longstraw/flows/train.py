@@ -8,15 +8,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags
 
+from longstraw.audit.completions import RunCompletions
+from longstraw.audit.curves import publish_run_curves
+from longstraw.audit.names import run_tags, step_tags
 from longstraw.flows.grpo_step import grpo_step
-from longstraw.orchestration.completions import RunCompletions
-from longstraw.orchestration.curves import publish_run_curves
-from longstraw.orchestration.names import run_tags, step_tags
-from longstraw.orchestration.stages import open_run
 from longstraw.schemas.overrides import RunConfigOverrides, as_overrides
 from longstraw.schemas.results import StepMetrics
 from longstraw.schemas.run import RunConfig, merged, validated_run_config
 from longstraw.storage.config_files import read_run_config
+from longstraw.tasks.stages import open_run
 from longstraw.trackers.run_trackers import open_trackers
 from longstraw.training import progress
 from longstraw.training.run_start import preflight, run_opened

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from longstraw.models.lora import unwrapped
+
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "qwen3",
@@ -151,5 +153,7 @@ def state_spec(model_or_config: PreTrainedModel | PretrainedConfig) -> StateSpec
 
 
 def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
-    """The base (decoder) model under a causal-LM head: runs layers + final norm, no lm_head."""
+    """The base (decoder) model under a causal-LM head: runs layers + final norm, no lm_head
+    (of the transformers model itself when `model` is peft's wrapper of it)."""
+    model = unwrapped(model)
     return getattr(model, model.base_model_prefix)

@@ -62,6 +62,9 @@ class CheckpointMetadata(BaseModel):
     files: dict[str, FileRecord] | None = None
     """Every file of the directory but this record, by name (None: written before files were
     recorded; such a checkpoint is not verified)."""
+    base_weights_digest: str | None = None
+    """A LoRA checkpoint (peft adapter files): the weights digest of the base it was trained on,
+    which `weights_digest` includes (None: a whole model)."""
 
 
 def weights_digest_of(path: str | Path) -> str:
@@ -102,15 +105,30 @@ def _hash_checkpoint(path: Path, *, record_files: bool) -> tuple[str, dict[str, 
     return digest.hexdigest(), records
 
 
-def checkpoint_metadata_of(path: str | Path, *, policy_version: int) -> CheckpointMetadata:
-    """Hash the checkpoint in `path`: weights digest and every file's size and sha256."""
+def checkpoint_metadata_of(
+    path: str | Path, *, policy_version: int, base_weights_digest: str | None = None
+) -> CheckpointMetadata:
+    """Hash the checkpoint in `path`: weights digest and every file's size and sha256. An
+    adapter checkpoint (`base_weights_digest` of its base given) is identified by both: its
+    weights digest is the sha256 of the base's digest and its own files' digest."""
     digest, files = _hash_checkpoint(Path(path), record_files=True)
-    return CheckpointMetadata(weights_digest=digest, policy_version=policy_version, files=files)
+    if base_weights_digest is not None:
+        digest = hashlib.sha256(f"{base_weights_digest}:{digest}".encode()).hexdigest()
+    return CheckpointMetadata(
+        weights_digest=digest,
+        policy_version=policy_version,
+        files=files,
+        base_weights_digest=base_weights_digest,
+    )
 
 
-def write_checkpoint_metadata(path: str | Path, *, policy_version: int) -> CheckpointMetadata:
+def write_checkpoint_metadata(
+    path: str | Path, *, policy_version: int, base_weights_digest: str | None = None
+) -> CheckpointMetadata:
     """Hash the checkpoint in `path` once and record it in its `longstraw.json` (atomic)."""
-    meta = checkpoint_metadata_of(path, policy_version=policy_version)
+    meta = checkpoint_metadata_of(
+        path, policy_version=policy_version, base_weights_digest=base_weights_digest
+    )
     target = Path(path) / METADATA_FILE
     tmp = target.with_suffix(".json.tmp")
     tmp.write_text(meta.model_dump_json(indent=2))

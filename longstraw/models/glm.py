@@ -42,6 +42,7 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     apply_rotary_pos_emb_interleave,
 )
 
+from longstraw.models.lora import linear_weight
 from longstraw.models.patching import forwards_replaced
 from longstraw.ops.dsa_topk import stable_topk_mask
 from longstraw.ops.mla_attention import absorbed_mla_attention
@@ -147,6 +148,13 @@ def mla_inputs(
     return MlaInputs(q_nope, q_rot, latent_BSR, k_rot[:, 0], index_q, index_key, index_weights)
 
 
+def kv_b_weight(self: GlmMoeDsaAttention) -> torch.Tensor:
+    """[H * (N + V), R] the weight absorbed into queries and outputs: `kv_b_proj`'s, with its
+    LoRA adapter's delta when it has one (`longstraw.models.lora.linear_weight`): the absorbed
+    attention never calls the module, so an adapter there is seen only through its weight."""
+    return linear_weight(self.kv_b_proj, where="GLM's absorbed latent attention (kv_b_proj)")
+
+
 def previous_selection(self: GlmMoeDsaAttention, prev_topk_indices: torch.Tensor | None):
     """A `shared` layer's selection: the previous full layer's (None: it selected everything)."""
     if "full" not in self.config.indexer_types[: self.layer_idx]:
@@ -195,7 +203,7 @@ def longstraw_mla_forward(
         rope_BXE,
         layer.prefix_latent_TR,
         layer.prefix_rope_TE,
-        self.kv_b_proj.weight,
+        kv_b_weight(self),
         scale=self.scaling,
         selected_BSK=selected,
         chunk_size=PREFIX_CHUNK_TOKENS,

@@ -71,15 +71,30 @@ class OutputProjection:
 
 
 @dataclass(frozen=True)
+class LowRank:
+    """`scale · (x Aᵀ) Bᵀ` added to a projection's output: a LoRA adapter without dropout
+    (`longstraw.models.lora.linear_parts` reads one from peft's layer)."""
+
+    a: torch.Tensor
+    """[r, in], in its own dtype (peft keeps adapters in fp32 under a bf16 base)."""
+    b: torch.Tensor
+    """[out, r]."""
+    scale: float
+
+
+@dataclass(frozen=True)
 class GatedMlp:
     """`fn(x) = down(silu(gate(x)) * up(x))` with three bias-free linear layers (transformers'
-    gated MLP with a SiLU): the backward recomputes gate and up in one matmul against their
-    stacked weights and takes every gradient by hand, so a block costs five matmuls and no
-    autograd graph (against seven and a graph through `OutputProjection`)."""
+    gated MLP with a SiLU), each with an optional low-rank adapter on its output (`low_rank`,
+    in the order gate, up, down): the backward recomputes gate and up in one matmul against
+    their stacked weights (plus each adapter's two thin ones) and takes every gradient by hand,
+    so a block costs five matmuls — three when the weights are frozen — and no autograd graph
+    (against seven and a graph through `OutputProjection`)."""
 
     gate: torch.nn.Linear
     up: torch.nn.Linear
     down: torch.nn.Linear
+    low_rank: tuple[LowRank | None, LowRank | None, LowRank | None] = (None, None, None)
 
 
 def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -91,52 +106,129 @@ def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         total.add_(a @ b)
 
 
+class _LowRankGrads:
+    """One adapter's blockwise products and its gradients' fp32 (or wider) sums."""
+
+    def __init__(self, low_rank: LowRank, wanted: set[int]) -> None:
+        self.lr = low_rank
+        summed = torch.promote_types(low_rank.a.dtype, torch.float32)
+        self.da = torch.zeros(low_rank.a.shape, dtype=summed, device=low_rank.a.device)
+        self.db = torch.zeros(low_rank.b.shape, dtype=summed, device=low_rank.b.device)
+        self.need_a, self.need_b = id(low_rank.a) in wanted, id(low_rank.b) in wanted
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        """x Aᵀ [n, r], in the adapter's dtype."""
+        return x.to(self.lr.a.dtype) @ self.lr.a.T
+
+    def output(self, xa: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The adapter's output scale · (x Aᵀ) Bᵀ [n, out], in `dtype` (peft's order)."""
+        return ((xa @ self.lr.b.T) * self.lr.scale).to(dtype)
+
+    def backward(
+        self, x: torch.Tensor, xa: torch.Tensor, dy: torch.Tensor, need_x: bool
+    ) -> torch.Tensor | None:
+        """Add dA, dB of output cotangent `dy` [n, out] at input `x` [n, in] (`xa` = x Aᵀ);
+        returns the adapter's share of dx, scale · (dy B) A in x's dtype (None without
+        `need_x`)."""
+        dyb = dy.to(self.lr.b.dtype) @ self.lr.b
+        if self.need_b:
+            _add_product(self.db, dy.to(xa.dtype).T, xa * self.lr.scale)
+        if self.need_a:
+            _add_product(self.da, (dyb * self.lr.scale).T, x.to(dyb.dtype))
+        return ((dyb @ self.lr.a) * self.lr.scale).to(x.dtype) if need_x else None
+
+    def grads(self) -> dict[int, torch.Tensor]:
+        return {id(self.lr.a): self.da, id(self.lr.b): self.db}
+
+
 def _gated_mlp_backward(
-    mlp: GatedMlp, x_BTC: torch.Tensor, grad_out_BTC: torch.Tensor, block_tokens: int, need_x: bool
+    mlp: GatedMlp,
+    x_BTC: torch.Tensor,
+    grad_out_BTC: torch.Tensor,
+    block_tokens: int,
+    need_x: bool,
+    wanted: set[int] | None = None,
 ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-    """(dx [B, T, C] or None, {id(weight): its gradient, summed in fp32 or wider}) of `mlp` at
-    `x_BTC` against `grad_out_BTC`, `block_tokens` rows at a time.
+    """(dx [B, T, C] or None, {id(parameter): its gradient, summed in fp32 or wider}) of `mlp`
+    at `x_BTC` against `grad_out_BTC`, `block_tokens` rows at a time. `wanted`: ids of the
+    parameters whose gradient is needed (None: every one); the weights' two gradient matmuls
+    are skipped when none of the three is (a LoRA run: the base is frozen).
 
     Per block of rows x [n, C], with G = [W_gate; W_up] [2I, C]:
-        [gate, up] = x G^T;  h = silu(gate) * up;  dW_down = dy^T h;  dh = dy W_down
+        [gate, up] = x G^T (+ each adapter's s (x A^T) B^T);  h = silu(gate) * up
+        dW_down = dy^T h;  dh = dy W_down (+ s (dy B) A)
         d_up = dh * silu(gate);  d_gate = dh * up * s (1 + gate (1 - s)),  s = sigmoid(gate)
-        dG = [d_gate, d_up]^T x;  dx = [d_gate, d_up] G
+        dG = [d_gate, d_up]^T x;  dx = [d_gate, d_up] G (+ each adapter's s (d B) A)
+    and per adapter dB = s d^T (x A^T), dA = s (d B)^T x with d its output's cotangent.
     """
+    weights = (mlp.gate.weight, mlp.up.weight, mlp.down.weight)
+    if wanted is None:
+        wanted = {id(w) for w in weights} | {
+            id(t) for lr in mlp.low_rank if lr is not None for t in (lr.a, lr.b)
+        }
+    need_weights = any(id(w) in wanted for w in weights)
+    adapters = [None if lr is None else _LowRankGrads(lr, wanted) for lr in mlp.low_rank]
+    gate_lr, up_lr, down_lr = adapters
     dtype = x_BTC.dtype
     stacked_IC = torch.cat([mlp.gate.weight, mlp.up.weight]).to(dtype)
     down_CI = mlp.down.weight.to(dtype)
     inter = mlp.gate.weight.shape[0]
+    gate_cols, up_cols = slice(0, inter), slice(inter, None)
     x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
     dy_NC = grad_out_BTC.reshape(-1, grad_out_BTC.shape[-1])
     dx_NC = torch.empty_like(x_NC) if need_x else None
     # Summed over the blocks in fp32 at least (float64 for a float64 model).
     summed = torch.promote_types(dtype, torch.float32)
-    d_stacked = torch.zeros(stacked_IC.shape, dtype=summed, device=x_NC.device)
-    d_down = torch.zeros(down_CI.shape, dtype=summed, device=x_NC.device)
+    d_stacked = d_down = None
+    if need_weights:
+        d_stacked = torch.zeros(stacked_IC.shape, dtype=summed, device=x_NC.device)
+        d_down = torch.zeros(down_CI.shape, dtype=summed, device=x_NC.device)
     # Rows of a [B, T] batch are independent: blocks of `block_tokens` rows of the flattened
     # batch are what the other paths' [B, block_tokens] blocks are for B = 1.
     for start, end in _blocks(x_NC.shape[0], block_tokens):
         x = x_NC[start:end]
         dy = dy_NC[start:end]
         gate_up = x @ stacked_IC.T
+        kept = {}
+        for name, adapter, cols in (("gate", gate_lr, gate_cols), ("up", up_lr, up_cols)):
+            if adapter is not None:
+                kept[name] = adapter.inner(x)
+                gate_up[:, cols] += adapter.output(kept[name], dtype)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         act = torch.nn.functional.silu(gate)
-        _add_product(d_down, dy.T, act * up)
+        if need_weights or down_lr is not None:
+            h = act * up
+        if need_weights:
+            _add_product(d_down, dy.T, h)
         dh = dy @ down_CI
+        if down_lr is not None:
+            dh += down_lr.backward(h, down_lr.inner(h), dy, need_x=True)
         d_gate_up = torch.empty_like(gate_up)
         torch.mul(dh, act, out=d_gate_up[:, inter:])
         # silu'(gate) = s + gate s (1 - s), formed in place from s = sigmoid(gate).
         slope = torch.sigmoid(gate)
         slope.mul_(gate.neg().mul_(slope).add_(gate).add_(1.0))
         torch.mul(dh, up, out=d_gate_up[:, :inter]).mul_(slope)
-        _add_product(d_stacked, d_gate_up.T, x)
+        if need_weights:
+            _add_product(d_stacked, d_gate_up.T, x)
         if need_x:
-            torch.matmul(d_gate_up, stacked_IC, out=dx_NC[start:end])
-    grads = {
-        id(mlp.gate.weight): d_stacked[:inter],
-        id(mlp.up.weight): d_stacked[inter:],
-        id(mlp.down.weight): d_down,
-    }
+            dx = dx_NC[start:end]
+            torch.matmul(d_gate_up, stacked_IC, out=dx)
+        for name, adapter, cols in (("gate", gate_lr, gate_cols), ("up", up_lr, up_cols)):
+            if adapter is not None:
+                share = adapter.backward(x, kept[name], d_gate_up[:, cols], need_x)
+                if need_x:
+                    dx += share
+    grads = {}
+    if need_weights:
+        grads = {
+            id(mlp.gate.weight): d_stacked[:inter],
+            id(mlp.up.weight): d_stacked[inter:],
+            id(mlp.down.weight): d_down,
+        }
+    for adapter in adapters:
+        if adapter is not None:
+            grads |= adapter.grads()
     return (None if dx_NC is None else dx_NC.view_as(x_BTC)), grads
 
 
@@ -161,7 +253,12 @@ class _RowsRecomputedInBlocks(torch.autograd.Function):
         split: OutputProjection | GatedMlp | None = ctx.split
         if isinstance(split, GatedMlp):
             dx_BTC, by_weight = _gated_mlp_backward(
-                split, x_BTC, grad_out_BTC, ctx.block_tokens, need_x
+                split,
+                x_BTC,
+                grad_out_BTC,
+                ctx.block_tokens,
+                need_x,
+                wanted={id(ctx.params[i]) for i in wanted},
             )
             return (None, None, None, dx_BTC, *_params_grads(ctx, by_weight))
         dx_BTC = torch.zeros_like(x_BTC) if need_x else None

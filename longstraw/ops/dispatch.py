@@ -11,14 +11,12 @@ Call sites (`SITES`) and their kernels, first applicable wins:
 | every attention site | `torch` | otherwise: LongStraw's chunked online softmax |
 | `linear_attention.recompute` | `fla` | CUDA, fla imports, inputs bf16/fp16, and `LONGSTRAW_FLA_RECOMPUTE=1` |
 | `linear_attention.recompute` | `torch` | otherwise: LongStraw's chunked kernel in float64 (`ops.gated_delta_rule.chunked_in_float64`) |
-| `linear_attention.conv` | `causal-conv1d` | CUDA, causal-conv1d imports, kernel 2-4, activation none/silu, no autograd |
-| `linear_attention.conv` | `torch` | otherwise: K shifted multiply-adds (`ops.causal_conv`) |
 
 The CPU rules are the ones each call site applied before this module existed, so CPU results
 are bit for bit what they were. The GPU kernels have not run on a GPU yet: they are written
 against the packages' documented APIs (flash-attn's `flash_attn_func(..., return_attn_probs=True)`
-returning the log-sum-exp, fla's `chunk_gated_delta_rule(initial_state=, output_final_state=)`,
-causal-conv1d's `causal_conv1d_fn(initial_states=)`) and chosen only where the package imports
+returning the log-sum-exp, fla's `chunk_gated_delta_rule(initial_state=, output_final_state=)`)
+and chosen only where the package imports
 and the tensors are on CUDA. fla's recomputation is also opt-in: it replaces the kernel the exact
 gradient's decay-parameter accuracy was measured with, and the float64 test that sets that bar
 (`tests/ops/test_gated_delta_rule_float64.py`) has no CUDA case for fla yet.
@@ -40,7 +38,6 @@ import torch
 ATEN_CPU_FLASH = "aten-cpu-flash"
 FLASH_ATTN = "flash-attn"
 FLA = "fla"
-CAUSAL_CONV1D = "causal-conv1d"
 TORCH = "torch"
 
 SITES = (
@@ -49,7 +46,6 @@ SITES = (
     "full_attention.decode",
     "full_attention.backward",
     "linear_attention.recompute",
-    "linear_attention.conv",
 )
 """Every call site that asks this module for a kernel."""
 
@@ -66,8 +62,6 @@ _FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_MAX_HEAD_DIM = 256
 # fla's chunked gated delta rule refuses fp32 inputs in its releases up to now.
 _FLA_DTYPES = (torch.float16, torch.bfloat16)
-# causal-conv1d's CUDA kernel is compiled for widths 2, 3 and 4.
-_CAUSAL_CONV1D_WIDTHS = range(2, 5)
 FLA_RECOMPUTE_ENV = "LONGSTRAW_FLA_RECOMPUTE"
 
 logger = logging.getLogger("longstraw.kernels")
@@ -206,41 +200,3 @@ def fla_chunk_gated_delta_rule():
     `initial_state` [B, HV, K, V] fp32; returns (out, final state)): the signature of
     `ops.gated_delta_rule.chunked_gated_delta_rule` minus `chunk_size`."""
     return installed("fla").chunk_gated_delta_rule
-
-
-def causal_conv_kernel(
-    device: torch.device, kernel_size: int, activation: str | None, needs_grad: bool
-) -> str:
-    """The kernel for one shard's depthwise causal conv started from a conv state."""
-    if (
-        device.type == "cuda"
-        and kernel_size in _CAUSAL_CONV1D_WIDTHS
-        and activation in (None, "silu", "swish")
-        # causal-conv1d's gradient w.r.t. initial_states is not in every release: under
-        # autograd the torch path keeps exact mode's conv-state cotangent.
-        and not needs_grad
-        and installed("causal_conv1d") is not None
-    ):
-        return CAUSAL_CONV1D
-    return TORCH
-
-
-def causal_conv1d_partial(
-    x_BCT: torch.Tensor,
-    weight_CK: torch.Tensor,
-    bias_C: torch.Tensor | None,
-    initial_BCW: torch.Tensor | None,
-    activation: str | None,
-) -> torch.Tensor:
-    """y [B, C, T] of causal-conv1d's `causal_conv1d_fn` from the last W = K - 1 inputs before
-    the shard (`initial_BCW`, None: zeros). Its kernel reads initial states only in the
-    channel-last layout, so x and the state are laid out so (a shard-sized copy)."""
-
-    def channel_last(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-    initial = None if initial_BCW is None else channel_last(initial_BCW.to(x_BCT.dtype))
-    y_BCT = installed("causal_conv1d").causal_conv1d_fn(
-        channel_last(x_BCT), weight_CK, bias_C, initial_states=initial, activation=activation
-    )
-    return y_BCT.to(x_BCT.dtype)

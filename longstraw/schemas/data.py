@@ -50,6 +50,12 @@ class HaystackTaskConfig(BaseModel):
     `num_needles`, or `num_hops + 1` for `multi_hop`, in chain order). None: drawn from `seed`."""
     include_header: bool = True
     """Start the prompt with one line that says what the records are."""
+    record_format: Literal["sentence", "compact"] = "sentence"
+    """`sentence`: records read "Key 481932 has value 730144." and the prompt ends with a
+    question ("Question: What is the value of key 481932? Answer:"). `compact` (kv_retrieval
+    only): records read "Key 481932: 730144" and the prompt ends with the asked key's record up
+    to its value ("Key 481932:"), which the answer completes: every repeat of a distractor
+    record is then the same lookup as the question, which a small model learns from."""
     answer_format: Literal["plain", "json"] = "plain"
     """How the question asks for the answer: `plain` ("730144", or "730144, 118422" for
     several) or `json` ('"730144"', or '["730144", "118422"]'). Rewards accept either."""
@@ -80,6 +86,17 @@ class HaystackTaskConfig(BaseModel):
                 raise ValueError("multi_needle asks for several keys: set num_needles >= 2")
         elif self.num_needles != 1:
             raise ValueError(f"{self.variant} asks for one key: set num_needles=1")
+        if self.record_format == "compact":
+            if self.variant != "kv_retrieval":
+                raise ValueError(
+                    f"record_format 'compact' asks by completing one record: use variant "
+                    f"kv_retrieval, or record_format 'sentence' for {self.variant}"
+                )
+            if self.answer_format != "plain":
+                raise ValueError(
+                    "record_format 'compact' completes a record with the plain value: set "
+                    "answer_format 'plain'"
+                )
         if self.variant == "multi_hop":
             if self.num_hops < 1:
                 raise ValueError("multi_hop needs a chain: set num_hops >= 1")

@@ -189,6 +189,8 @@ class UpdateResult(_Ref):
     learning_rate: float
     clipped: bool
     seconds: float = 0.0
+    trainable_parameters: int | None = None
+    """Parameters the update changed: every parameter, or a LoRA run's adapters."""
 
 
 __all__ = [

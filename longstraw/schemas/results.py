@@ -148,6 +148,9 @@ class StepMetrics(BaseModel):
     """Wall-clock seconds of the whole step, from planning to its record. With data-parallel
     replicas the groups' stages overlap, so this is less than the sum of `seconds`."""
     peak_rss_bytes: int = 0
+    trainable_parameters: int | None = None
+    """Parameters the optimizer updates: every parameter, or a LoRA run's adapters (None in rows
+    recorded before it was)."""
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""
     shards_reused: int = 0

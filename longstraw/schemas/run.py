@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from longstraw.schemas.data import HaystackTaskConfig
 from longstraw.schemas.grpo import GRPOConfig
@@ -25,6 +32,53 @@ Family = Literal["llama", "qwen3", "qwen3_5", "qwen3_next", "glm_moe_dsa"]
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class LoraConfig(_Section):
+    """LoRA adapters trained on a frozen base (peft's `LoraConfig`, with its field names and
+    meanings): the run trains only the adapters, keeps AdamW state for them alone, checkpoints
+    them in peft's own format, and scores the KL reference on the base with the adapters
+    disabled (no second copy of the weights)."""
+
+    r: int = 8
+    """Rank of every adapter (at least 1; 8–64 are usual)."""
+    lora_alpha: float = 8.0
+    """Scale numerator: the adapter's output is multiplied by lora_alpha / r (lora_alpha / √r
+    with `use_rslora`)."""
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while the policy is trained. Only with
+    `engine.prompt_grad: detached`: the exact sweep recomputes every prefill shard and must
+    reproduce its first pass bit for bit, which a fresh dropout mask does not."""
+    target_modules: list[str] | str = "all-linear"
+    """Modules that get an adapter: names or name suffixes (`[q_proj, v_proj]`), a regex (a
+    string), or `all-linear` (every linear layer but the output layer; on MoE models also the
+    routed experts and routers, through peft's parameter wrappers)."""
+    exclude_modules: list[str] | str | None = None
+    """Modules left without an adapter, matched as `target_modules` is."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train too: none, every bias of the model, or those of adapted layers."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling lora_alpha / √r instead of lora_alpha / r."""
+    init_lora_weights: bool | Literal["gaussian"] = True
+    """How the adapters start: True (peft's default: A Kaiming-uniform, B zero, so the policy
+    starts as the base), "gaussian" (A normal), or False (random B too: the policy starts
+    elsewhere than the base; for tests)."""
+    layers_to_transform: list[int] | int | None = None
+    """Decoder layer indices that get adapters (None: all)."""
+    rank_pattern: dict[str, int] = Field(default_factory=dict)
+    """Per-module ranks that differ from `r`, by name pattern (peft's `rank_pattern`)."""
+    alpha_pattern: dict[str, float] = Field(default_factory=dict)
+    """Per-module alphas that differ from `lora_alpha`, by name pattern."""
+
+    @field_validator("r")
+    @classmethod
+    def _rank_at_least_one(cls, r: int) -> int:
+        if r < 1:
+            raise ValueError(
+                f"model.lora.r is {r}: an adapter needs rank 1 or more — set model.lora.r to "
+                "8, 16 or 64 (or remove model.lora to train every parameter)"
+            )
+        return r
 
 
 class ModelConfig(_Section):
@@ -50,6 +104,11 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu"] = "auto"
     """auto: each process computes on its local rank's GPU when CUDA is available, else the CPU;
     cpu: always the CPU."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen `checkpoint` instead of every parameter (None: full
+    training). A run's fresh adapters are drawn from `train.seed`. Checkpoints then hold the
+    adapters (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained`
+    loads them on the base); `longstraw merge` writes a merged Hugging Face checkpoint."""
 
 
 class EngineConfig(_Section):
@@ -317,6 +376,47 @@ class RunConfig(_Section):
             raise ValueError(
                 "eval is not supported in agent runs yet (held-out prompts are answered in one "
                 "turn, without the environment) — remove the eval section or the agent section"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_dropout_is_replayed_once(self) -> RunConfig:
+        lora, engine = self.model.lora, self.engine
+        if lora is None or lora.lora_dropout == 0:
+            return self
+        recomputed = [
+            (engine.prompt_grad == "exact", "engine.prompt_grad is exact", "detached"),
+            (
+                engine.branch_segment_tokens is not None,
+                "engine.branch_segment_tokens is set",
+                "null",
+            ),
+            (engine.share_response_prefixes, "engine.share_response_prefixes is on", "false"),
+        ]
+        for found, what, fix in recomputed:
+            if found:
+                field = what.split(" is ")[0]
+                raise ValueError(
+                    f"model.lora.lora_dropout is {lora.lora_dropout} and {what}: that path "
+                    "recomputes forwards and checks them bit for bit against the first pass, "
+                    f"which a new dropout mask breaks — set model.lora.lora_dropout: 0, or "
+                    f"{field}: {fix}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_reference_is_the_base(self) -> RunConfig:
+        lora = self.model.lora
+        if (
+            lora is not None
+            and lora.bias != "none"
+            and self.grpo.beta > 0
+            and self.model.reference_checkpoint is None
+        ):
+            raise ValueError(
+                f"model.lora.bias is {lora.bias} with grpo.beta > 0: the KL reference is the base "
+                "with the adapters disabled, and disabling them does not undo trained biases — "
+                "set model.lora.bias: none, or name the base as model.reference_checkpoint"
             )
         return self
 

@@ -2,7 +2,10 @@
 
 Layout: `{root}/runs/{run_id}/checkpoints/v{policy_version:06d}/` holding what `from_pretrained`
 loads (config.json, model.safetensors, tokenizer files), `longstraw.json` (weights digest and
-policy version, hashed once here), the optimizer state and `trainer_state.json`.
+policy version, hashed once here), the optimizer state and `trainer_state.json`. A LoRA run's
+checkpoint holds its adapters in peft's format instead of the model (adapter_config.json,
+adapter_model.safetensors: `PeftModel.from_pretrained` loads them on the base) and the
+optimizer state of the adapters alone.
 
 The optimizer state is `optimizer.safetensors` when one process trained, or one
 `optimizer-rank{r}-of-{N}.safetensors` per rank when the weights were sharded at rest over N
@@ -44,6 +47,7 @@ from longstraw.models.checkpoint import (
     verify_checkpoint_files,
     write_checkpoint_metadata,
 )
+from longstraw.models.lora import save_weights
 from longstraw.schemas.refs import CheckpointRef
 from longstraw.schemas.storage import StorageConfig
 from longstraw.storage.errors import as_os_error
@@ -143,20 +147,24 @@ def commit_checkpoint(
     tokenizer,
     trainer_state: dict,
     state_dict: dict[str, torch.Tensor] | None = None,
+    base_weights_digest: str | None = None,
 ) -> CheckpointRef:
     """Write the model, tokenizer and trainer state into `tmp` (its optimizer files are there
     already) and rename it to `final`: the rename is the commit. `state_dict`: the full weights
-    when `model`'s own parameters are sharded."""
+    when `model`'s own parameters are sharded. A LoRA policy (peft's `PeftModel`) writes its
+    adapters in peft's format, recorded with its base's `base_weights_digest`."""
     try:
         try:
-            model.save_pretrained(str(tmp), state_dict=state_dict)
+            save_weights(model, tmp, state_dict)
         except Exception as err:
             if (mapped := as_os_error(err, tmp)) is err:
                 raise
             raise mapped from err
         tokenizer.save_pretrained(str(tmp))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
-        write_checkpoint_metadata(tmp, policy_version=policy_version)
+        write_checkpoint_metadata(
+            tmp, policy_version=policy_version, base_weights_digest=base_weights_digest
+        )
         share_per_umask(tmp)
         os.rename(tmp, final)
     except FileExistsError:
@@ -181,8 +189,10 @@ def save_training_checkpoint(
     tokenizer,
     optimizer_tensors: dict[str, torch.Tensor],
     trainer_state: dict,
+    base_weights_digest: str | None = None,
 ) -> CheckpointRef:
-    """Write and commit checkpoint `policy_version` of `run_id` (one process); returns its ref."""
+    """Write and commit checkpoint `policy_version` of `run_id` (one process); returns its ref
+    (`base_weights_digest`: a LoRA policy's base, `commit_checkpoint`)."""
     final = checkpoint_path(storage, run_id, policy_version)
     if final.exists():
         # A retried task: the first complete write stands.
@@ -200,6 +210,7 @@ def save_training_checkpoint(
         model=model,
         tokenizer=tokenizer,
         trainer_state=trainer_state,
+        base_weights_digest=base_weights_digest,
     )
 
 

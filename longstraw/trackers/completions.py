@@ -1,7 +1,7 @@
 """A step's table of sampled completions: prompt digest, completion text (cut), reward and
 advantage of the first responses of its groups, kept beside the step's rollout records
 (`steps/<step>/completions.json`) until the trackers and the Prefect UI
-(`orchestration.completions`) show it."""
+(`audit.completions`) show it."""
 
 from __future__ import annotations
 

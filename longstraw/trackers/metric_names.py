@@ -41,6 +41,7 @@ LONGSTRAW_NAMES: dict[str, str] = {
     "longstraw/state_bytes_read": "state_bytes_read",
     "longstraw/state_bytes_written": "state_bytes_written",
     "longstraw/peak_rss_bytes": "peak_rss_bytes",
+    "longstraw/trainable_parameters": "trainable_parameters",
     "longstraw/turns_mean": "turns_mean",
     "longstraw/environment_errors": "environment_errors",
 }

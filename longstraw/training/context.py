@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +15,12 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.stage_group import active_group
 from longstraw.engine.group import GradBuffer
+from longstraw.errors import UserError
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
 from longstraw.models.factory import init_model
 from longstraw.models.hub import resolve_checkpoint
+from longstraw.models.lora import is_lora_checkpoint, load_lora, with_lora
 from longstraw.schemas.refs import CheckpointRef, GradRef, PolicyRef
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import (
@@ -58,7 +62,13 @@ class RunContext:
     """`distributed.sharded_policy.ShardedWeights` when the policy is sharded at rest over the
     run's ranks (`parallel.world_size > 1`), else None (one process holds it whole)."""
     reference_model: PreTrainedModel | None = None
+    """The reference loaded beside the policy (`model.reference_checkpoint`, or the initial
+    checkpoint of a full-parameter run) when beta > 0; None otherwise, and for a LoRA run, whose
+    reference is its own base with the adapters disabled (`reference_policy`)."""
     reference_digest: str | None = None
+    base_weights_digest: str | None = None
+    """A LoRA run: the weights digest of the frozen base the adapters are trained on (None: every
+    parameter trains)."""
     reference_states: dict[str, object] = field(default_factory=dict)
     """Reference prompt states by prompt digest, kept in memory when storage.persist_mode is off
     (otherwise storage holds them): the reference never changes, so each prompt is prefilled once
@@ -83,6 +93,22 @@ class RunContext:
         if self.weights is not None:
             self.weights.gather()
         return self.model
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run scores a KL reference (beta > 0)."""
+        return self.reference_digest is not None
+
+    @contextlib.contextmanager
+    def reference_policy(self) -> Iterator[PreTrainedModel]:
+        """The reference model for the block: the one loaded beside the policy, or a LoRA
+        run's policy itself with peft's adapters disabled (the base: no second copy)."""
+        if self.reference_model is not None:
+            yield self.reference_model
+            return
+        assert self.base_weights_digest is not None and self.has_reference
+        with self.model.disable_adapter():
+            yield self.model
 
     @property
     def rank(self) -> int | None:
@@ -184,7 +210,9 @@ def start_policy(config: RunConfig, *, resume: bool = False) -> PolicyRef:
 
 def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     """Rebuild the weights `policy` names in this process: load its checkpoint, apply its
-    updates in order (bitwise the weights of the process that made them)."""
+    updates in order (bitwise the weights of the process that made them). A LoRA run
+    (`model.lora`) loads its frozen base and puts on it the adapters of its checkpoint, or fresh
+    ones at the run's start."""
     from longstraw.storage.artifacts import read_grads
 
     if policy.run_id != config.run_id:
@@ -198,12 +226,18 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     if not policy.checkpoint_is_run_start:
         valid_checkpoint(path)  # a damaged file of the run's checkpoint is named, never loaded
     dtype = _DTYPES[config.model.dtype]
-    model, tokenizer, meta = load_checkpoint(path, dtype=dtype, record_dir=model_records(config))
+    base_digest = None
+    if config.model.lora is None:
+        model, tokenizer, meta = load_checkpoint(
+            path, dtype=dtype, record_dir=model_records(config)
+        )
+        # No dropout in these families; eval() keeps transformers off train-only paths.
+        model.train(False)
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        model, tokenizer, meta, base_digest = _load_lora_policy(config, policy, path, dtype)
     model.to(model_device(config))
-    # No dropout in these families; eval() keeps transformers off train-only paths.
-    model.train(False)
-    for p in model.parameters():
-        p.requires_grad_(True)
     num_steps = config.train.num_steps * config.grpo.num_iterations
     weights, rows = None, None
     if active_group() is None:
@@ -236,6 +270,7 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
         step=policy.step,
         policy_version=meta.policy_version,
         weights=weights,
+        base_weights_digest=base_digest,
     )
     for update in policy.updates:
         grads = GradBuffer.from_tensors(read_grads(update, model_device(config), rank=ctx.rank))
@@ -249,15 +284,65 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
             f"{policy.weights_digest[:12]}: the ref does not belong to this checkpoint"
         )
     if config.grpo.beta > 0:
-        ref_path = reference_checkpoint(config)
-        reference, _, ref_meta = load_checkpoint(
-            ref_path, dtype=dtype, record_dir=model_records(config)
-        )
-        reference.to(model_device(config))
-        reference.requires_grad_(False)
-        ctx.reference_model = reference
-        ctx.reference_digest = (
-            read_checkpoint_metadata(ref_path, record_dir=model_records(config)).weights_digest
-            or ref_meta.weights_digest
-        )
+        _load_reference(ctx, dtype)
     return ctx
+
+
+def _load_lora_policy(config: RunConfig, policy: PolicyRef, path: Path, dtype):
+    """(peft model, tokenizer, metadata of `path`, the base's weights digest) of a LoRA run: its
+    base (the initial checkpoint) with fresh adapters (the run's start, seeded by `train.seed`)
+    or those of the run's checkpoint `path`, which must have been trained on this base with
+    these `model.lora` settings."""
+    base_path = initial_checkpoint(config)
+    model, tokenizer, base_meta = load_checkpoint(
+        base_path, dtype=dtype, record_dir=model_records(config)
+    )
+    model.train(False)
+    if policy.checkpoint_is_run_start:
+        return (
+            with_lora(model, config.model.lora, seed=config.train.seed),
+            tokenizer,
+            base_meta,
+            (base_meta.weights_digest),
+        )
+    if not is_lora_checkpoint(path):
+        raise UserError(
+            f"checkpoint {path} of run {config.run_id!r} holds a whole model, but model.lora is "
+            "set — remove model.lora to continue this run, or start a new run id for LoRA"
+        )
+    meta = read_checkpoint_metadata(path)
+    if meta.base_weights_digest != base_meta.weights_digest:
+        raise UserError(
+            f"checkpoint {path} holds adapters trained on a base with weights digest "
+            f"{str(meta.base_weights_digest)[:12]}, but model.checkpoint {base_path} has "
+            f"{base_meta.weights_digest[:12]} — point model.checkpoint at the base the run "
+            "started from"
+        )
+    trained = json.loads((path / TRAINER_STATE).read_text())["config"]["model"].get("lora")
+    if trained != config.model.lora.model_dump(mode="json"):
+        raise UserError(
+            f"checkpoint {path} holds adapters of model.lora {trained}, but the config now says "
+            f"{config.model.lora.model_dump(mode='json')} — a run's adapters keep their "
+            "settings: set model.lora back, or start a new run id"
+        )
+    return load_lora(model, path), tokenizer, meta, base_meta.weights_digest
+
+
+def _load_reference(ctx: RunContext, dtype) -> None:
+    """The KL reference (beta > 0): a LoRA run without `model.reference_checkpoint` scores its
+    own base with the adapters disabled; otherwise the reference checkpoint is loaded."""
+    config = ctx.config
+    if ctx.base_weights_digest is not None and config.model.reference_checkpoint is None:
+        ctx.reference_digest = ctx.base_weights_digest
+        return
+    ref_path = reference_checkpoint(config)
+    reference, _, ref_meta = load_checkpoint(
+        ref_path, dtype=dtype, record_dir=model_records(config)
+    )
+    reference.to(model_device(config))
+    reference.requires_grad_(False)
+    ctx.reference_model = reference
+    ctx.reference_digest = (
+        read_checkpoint_metadata(ref_path, record_dir=model_records(config)).weights_digest
+        or ref_meta.weights_digest
+    )

@@ -118,3 +118,23 @@ def evaluate(config: RunConfig, policy: PolicyRef) -> EvalMetrics:
         truncated_fraction=sum(truncated) / len(truncated),
         rewards=rewards,
     )
+
+
+def evaluate_checkpoint(config: RunConfig) -> EvalMetrics:
+    """The held-out prompts answered by `model.checkpoint` as it is, without training
+    (`longstraw eval`; one process). A checkpoint a run wrote is evaluated with the draws of the
+    step that wrote it, so a sampled evaluation gives the numbers that step recorded; any other
+    checkpoint with those of step 0 (the first point of a learning curve)."""
+    import json
+    from pathlib import Path
+
+    from longstraw.storage.checkpoints import TRAINER_STATE
+    from longstraw.training.context import start_policy
+
+    policy = start_policy(config)
+    trainer_state = Path(policy.checkpoint.uri.removeprefix("file://")) / TRAINER_STATE
+    if trainer_state.is_file():
+        # Checkpoints written otherwise (through `commit_checkpoint` by a script) may not say.
+        step = json.loads(trainer_state.read_text()).get("step", 0)
+        policy = policy.model_copy(update={"step": int(step)})
+    return evaluate(config, policy)

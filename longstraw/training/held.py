@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longstraw.distributed.stage_group import active_group
+from longstraw.distributed.topology import Topology
 from longstraw.engine.exchange import LOCAL, PrefixExchange
 from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import StateBudget
@@ -133,15 +134,17 @@ def prefix_exchange() -> PrefixExchange:
         return LOCAL
     replica = group.scope()
     if replica is None:
-        return _cross_rank(None, group.control)
+        return _cross_rank(None, group.control, None)  # the world: one replica
     # A replica of one rank holds its prompts' states whole, as a single process does.
-    return LOCAL if replica.size == 1 else _cross_rank(replica.sequence, replica.control)
+    if replica.size == 1:
+        return LOCAL
+    return _cross_rank(replica.sequence, replica.control, group.topology)
 
 
-def _cross_rank(sequence, control) -> PrefixExchange:
+def _cross_rank(sequence, control, topology: Topology | None) -> PrefixExchange:
     from longstraw.distributed.exchange import CrossRankExchange
 
-    return CrossRankExchange(group=sequence, control=control)
+    return CrossRankExchange(group=sequence, control=control, topology=topology)
 
 
 def prompt_state(ctx: RunContext, example: PromptExample):
@@ -152,8 +155,12 @@ def prompt_state(ctx: RunContext, example: PromptExample):
 
 
 @contextlib.contextmanager
-def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixState]:
-    """The reference model's state of `example` for the block: prefilled once per prompt and run.
+def reference_state(
+    ctx: RunContext, example: PromptExample, reference: PreTrainedModel
+) -> Iterator[PrefixState]:
+    """The reference model's state of `example` for the block: prefilled once per prompt and
+    run, by `reference` (what `ctx.reference_policy()` gives, entered by the caller around the
+    block).
 
     Keyed by the reference weights digest only. With persistence on, storage holds it (a committed
     state reads back free in-process); under `engine.state_budget_bytes` it is then tiered from
@@ -173,7 +180,7 @@ def reference_state(ctx: RunContext, example: PromptExample) -> Iterator[PrefixS
         key=StateKey.reference(ctx.reference_digest, example.digest),
         budget=None if budget is None else dataclasses.replace(budget, exact=False),
     )
-    session = new_session(ctx.config, ctx.reference_model, example.prompt_ids, **options)
+    session = new_session(ctx.config, reference, example.prompt_ids, **options)
     try:
         state, _ = session.finish()
     except BaseException:

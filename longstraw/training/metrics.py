@@ -29,6 +29,22 @@ STEP_RECORD_KEY = "step_record"
 """Key of the checkpointed step's metrics row in a checkpoint's trainer_state.json."""
 
 
+def policy_description(config, history: list[StepMetrics]) -> str:
+    """What the run trains, in one line: every parameter, or LoRA adapters (rank, alpha, target
+    modules), with the trainable parameter count the steps recorded."""
+    counts = [m.trainable_parameters for m in history if m.trainable_parameters is not None]
+    count = f", {counts[-1]:,} trainable parameters" if counts else ""
+    lora = config.model.lora
+    if lora is None:
+        return f"full-parameter training{count}"
+    targets = (
+        lora.target_modules
+        if isinstance(lora.target_modules, str)
+        else ", ".join(lora.target_modules)
+    )
+    return f"LoRA r={lora.r}, lora_alpha={lora.lora_alpha:g} on {targets}{count}"
+
+
 def read_metrics(run_path: Path) -> list[StepMetrics]:
     """The recorded steps, in step order."""
     path = run_path / METRICS_FILE

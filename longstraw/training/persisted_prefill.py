@@ -139,7 +139,7 @@ class PrefillSession:
         self.ids = prompt_tensor(model, prompt_ids).cpu()
         self.shard_tokens, self.storage, self.key, self.budget = shard_tokens, storage, key, budget
         self.on_shard, self.manifest_timeout_s = on_shard, manifest_timeout_s
-        self.whole = exchange.placement() == WHOLE
+        self.whole = exchange.shards.placement() == WHOLE
         self.tiered = None
         self.writer = None
         self.ref: PrefixStateRef | None = None
@@ -158,7 +158,7 @@ class PrefillSession:
             )
         else:
             self.tiered = allocate_tiered_state(
-                model, self.ids, shard_tokens, budget, placement=exchange.placement()
+                model, self.ids, shard_tokens, budget, placement=exchange.shards.placement()
             )
             self.state = self.tiered.state
         if persist:
@@ -166,7 +166,7 @@ class PrefillSession:
                 storage, key, state_layout(self.state), resume=True
             )
             with self._closing_on_error():
-                self.resume_at = exchange.on_leader(self.writer.next_shard)
+                self.resume_at = exchange.collectives.on_leader(self.writer.next_shard)
                 self.reused = [k for k in self.state.shards if k < self.resume_at]
                 for k in self.reused:
                     restore_shard(self.state, k, self.writer.read_shard(k))
@@ -266,14 +266,16 @@ class PrefillSession:
         rather than reading every one back."""
         before = len(self.computed)
         self.ensure_shard(shard)
-        (computed,) = self.exchange.busiest([int(len(self.computed) > before)])
+        (computed,) = self.exchange.collectives.busiest([int(len(self.computed) > before)])
         return bool(computed)
 
     def totals(self) -> tuple[PrefixStateRef | None, int, int]:
         """After `finish`: (the committed state, shards computed, shards reused), counted over
         every rank."""
         outcome = self.outcome
-        computed, reused = self.exchange.summed([outcome.shards_computed, outcome.shards_reused])
+        computed, reused = self.exchange.collectives.summed(
+            [outcome.shards_computed, outcome.shards_reused]
+        )
         return outcome.ref, computed, reused
 
     def _run(self, end: int) -> None:
@@ -286,7 +288,7 @@ class PrefillSession:
                 from longstraw.distributed.wavefront_prefill import wavefront_prefill
 
                 self.state = wavefront_prefill(
-                    self.model, self.ids, group=self.exchange.group, **options
+                    self.model, self.ids, group=self.exchange.shards.group, **options
                 )
             else:
                 # One shard a call, as a task per shard makes them; with none to compute, one
@@ -321,14 +323,14 @@ class PrefillSession:
         if isinstance(self.writer, BackgroundStateWriter):
             self.writer.flush()
         # Every shard is recorded once every rank has flushed its own.
-        self.exchange.barrier()
+        self.exchange.collectives.barrier()
         ref = None
-        if self.exchange.is_leader:
+        if self.exchange.collectives.is_leader:
             # A resident whole state seeds the in-process cache of committed states; a tiered
             # one, or a rank's slice, is read back from storage when asked for again.
             whole = self.whole and self.tiered is None
             ref = self.writer.commit(tensors=self.state.tensors() if whole else None)
-        self.exchange.barrier()
+        self.exchange.collectives.barrier()
         if ref is None:
             _, ref = read_manifest(state_dir_uri(self.storage, self.key), self.storage)
         return ref

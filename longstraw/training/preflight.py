@@ -28,7 +28,6 @@ from pathlib import Path
 from longstraw.errors import UserError
 from longstraw.schemas.run import RunConfig
 from longstraw.trackers.run_trackers import check_trackers
-from longstraw.training.storage_faults import human_size
 
 S3_CREDENTIALS = "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3"
 
@@ -36,6 +35,7 @@ S3_CREDENTIALS = "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, 
 def preflight(config: RunConfig, resume: bool) -> None:
     """Raise UserError naming the first thing that would make this run fail, and its fix."""
     check_model(config)
+    check_lora(config)
     check_resume(config, resume)
     check_trackers(config)
     check_data(config)
@@ -49,9 +49,19 @@ def preflight(config: RunConfig, resume: bool) -> None:
     check_free_space(config, lengths)
 
 
+def eval_preflight(config: RunConfig) -> None:
+    """`preflight` of a checkpoint's evaluation (`longstraw eval`): the model, and the held-out
+    prompts and their rewards; nothing of training (its data, storage, free space)."""
+    check_model(config)
+    check_data(config)
+    check_rewards(config)
+    _checked_prompts(config, "eval.data")
+
+
 def check_model(config: RunConfig) -> None:
     from longstraw.models.adapters import SUPPORTED_MODEL_TYPES
     from longstraw.models.hub import resolve_checkpoint
+    from longstraw.models.lora import adapter_base_path, is_lora_checkpoint
 
     if config.model.reference_checkpoint is not None:
         # A reference model id that is not in the cache is named before any work.
@@ -71,6 +81,12 @@ def check_model(config: RunConfig) -> None:
     )
     if not path.exists():
         raise UserError(f"{what} does not exist — {fix}")
+    if is_lora_checkpoint(path) and not (path / "config.json").is_file():
+        raise UserError(
+            f"{what} is a LoRA adapter (adapter_config.json), not a model — point "
+            f"model.checkpoint at its base ({adapter_base_path(path)}), or merge the adapter "
+            f"into it first (longstraw merge {path} --out DIR) and train on DIR"
+        )
     if not path.is_dir() or not (path / "config.json").is_file():
         raise UserError(f"{what} is not a directory with a config.json — {fix}")
     try:
@@ -85,6 +101,47 @@ def check_model(config: RunConfig) -> None:
         )
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{what} has no *.safetensors weights — {fix}")
+
+
+def check_lora(config: RunConfig) -> None:
+    """`model.lora` applies to the model: its targets exist, every adapter sits where LongStraw
+    trains one, and a hand-written path that reads an adapted layer's weight can take it
+    (`lora_meta_model`)."""
+    if config.model.lora is not None:
+        lora_meta_model(config)
+
+
+_LORA_META: dict[str, object] = {}
+
+
+def lora_meta_model(config: RunConfig):
+    """The run's model with `model.lora` injected, on the meta device (no weights are read or
+    allocated): UserError naming the field and its fix when peft cannot apply it or LongStraw
+    cannot train what it makes. Once per model settings and process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.models.lora import adapter_layers, with_lora
+
+    key = config.model.model_dump_json()
+    if key in _LORA_META:
+        return _LORA_META[key]
+    facts = _model_facts(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(facts.config)
+        peft_model = with_lora(model, config.model.lora, seed=0)
+    if config.model.lora.lora_dropout > 0:
+        for name, _layer in adapter_layers(peft_model):
+            if name.endswith("kv_b_proj"):
+                module = name.removeprefix("base_model.model.")
+                raise UserError(
+                    f"model.lora.lora_dropout is {config.model.lora.lora_dropout} and "
+                    f"model.lora.target_modules reaches {module}: GLM-5's absorbed attention "
+                    "never forms kv_b_proj's input, so dropout there cannot be applied — set "
+                    "model.lora.lora_dropout: 0, or add kv_b_proj to model.lora.exclude_modules"
+                )
+    _LORA_META[key] = peft_model
+    return peft_model
 
 
 def checkpoint_dir(config: RunConfig) -> Path:
@@ -457,7 +514,8 @@ def step_write_bytes(config: RunConfig, lengths: list[int]) -> dict[str, int]:
     """Bytes one step writes at most, by kind: the prompt states of its groups (the longest
     prompts; twice with a reference model, whose states are written once per prompt), a
     checkpoint (weights in the run's dtype, AdamW's two fp32 moments, fp32 masters of bf16
-    weights, the starting checkpoint's other files) and the step's records.
+    weights, the starting checkpoint's other files; a LoRA run's adapters and their moments
+    instead of the weights) and the step's records.
 
     `lengths`: the token count of each distinct prompt (`check_prompts`)."""
     import torch
@@ -490,6 +548,11 @@ def step_write_bytes(config: RunConfig, lengths: list[int]) -> dict[str, int]:
             states *= 2
     params, other_files = _checkpoint_numel(config, facts)
     per_param = dtype.itemsize + 8 + (4 if dtype != torch.float32 else 0)
+    if config.model.lora is not None:
+        # The adapters alone, fp32 (peft keeps them so under a bf16 base), and their moments.
+        model = lora_meta_model(config)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        per_param = 4 + 8
     return {
         "prompt states": states,
         "checkpoint": params * per_param + other_files,
@@ -538,3 +601,10 @@ def check_free_space(config: RunConfig, lengths: list[int]) -> None:
             f"({parts}) — free at least {human_size(needed - free)} there, or point storage at a "
             "larger volume"
         )
+
+
+def human_size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

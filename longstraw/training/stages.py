@@ -30,6 +30,7 @@ import torch.distributed as dist
 from longstraw.data.rewards import register_haystack_rewards
 from longstraw.distributed.stage_group import (
     active_group,
+    active_topology,
     from_writer,
     is_writer,
     on_all_ranks,
@@ -38,6 +39,7 @@ from longstraw.distributed.stage_group import (
     when_ranks_stop,
 )
 from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
+from longstraw.engine.replay import replay_branch
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
 from longstraw.engine.state_tiers import state_traffic
@@ -203,15 +205,12 @@ def score_logprobs(model, state, responses, *, temperature: float) -> list[torch
     """[G][R_i] no-grad log-probs of `responses` on this process's state (or rank's slice)."""
     exchange = held.prefix_exchange()
     return [
-        exchange.replay_branch(
-            model,
-            state,
-            torch.as_tensor(r, dtype=torch.long),
-            temperature=temperature,
-            cotangent=None,
+        replay_branch(
+            model, state, torch.as_tensor(r, dtype=torch.long), temperature=temperature,
+            exchange=exchange,
         )[0]
         for r in responses
-    ]
+    ]  # fmt: skip
 
 
 @on_all_ranks
@@ -350,10 +349,10 @@ def score_group(
     responses = rollout_record(rollout).response_ids
     with contextlib.ExitStack() as stack:
         if which == "reference":
-            if ctx.reference_model is None:
+            if not ctx.has_reference:
                 return None
-            model = ctx.reference_model
-            state = stack.enter_context(held.reference_state(ctx, example))
+            model = stack.enter_context(ctx.reference_policy())
+            state = stack.enter_context(held.reference_state(ctx, example, model))
         else:
             model, state = ctx.model, held.prompt_state(ctx, example)
         state = stack.enter_context(budgeted_state(config.engine, model, state))
@@ -451,13 +450,11 @@ def backward_group(
     # Each rank (one process: the only one) holds its part of the state and of the gradient:
     # with data-parallel replicas, the rows the replicas' sum leaves on its FSDP shards
     # (`distributed.gradient_slices`; a replica of one rank holds them all).
-    exchange = held.prefix_exchange()
-    replicas = config.parallel.data_parallel if config.parallel.sequence_ranks > 1 else 1
     # A kill mid-sweep costs the shards since the last sweep checkpoint, not the sweep.
     key = sweep_key(config, policy, rollout, plan, group, ref_scores, old_scores, iteration)
     grads, stats = group_gradient(
-        ctx.model, state, inputs, config.grpo, config.engine, exchange=exchange,
-        data_size=replicas, checkpoints=sweep_checkpoints(config, key),
+        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange(),
+        checkpoints=sweep_checkpoints(config, key),
         on_sweep_shard=sweep_progress(rollout.prompt.index),
     )  # fmt: skip
     stats = stats.model_copy(
@@ -508,8 +505,9 @@ def reduce_gradients(
         # The replicas' sums, added across them: each rank keeps its FSDP shard's rows.
         from longstraw.distributed.replica_gradients import sum_over_replicas
 
+        group = active_group()
         total = GradBuffer.from_tensors(
-            sum_over_replicas(ctx.model, total.grads, config.parallel, active_group().data_group)
+            sum_over_replicas(ctx.model, total.grads, group.topology, group.data_group)
         )
     for g in grads:
         artifacts.forget_grads(g)
@@ -526,16 +524,16 @@ def reduce_gradients(
 def _replica_sum(ctx, grads: list[GradRef]) -> GradBuffer:
     """The sum of the groups' contributions this rank's replica computed (its rows of each);
     zeros where the replica ran none (fewer groups in the step than replicas)."""
-    device, parallel = ctx.model.device, ctx.config.parallel
+    device, topology = ctx.model.device, active_topology()
     if ctx.weights is None:
         mine, part = grads, None
     else:
-        replica = ctx.rank // parallel.sequence_ranks
-        mine, part = [g for g in grads if g.replica == replica], ctx.rank % parallel.sequence_ranks
+        mine = [g for g in grads if g.replica == topology.replica]
+        part = topology.sequence_rank
     if not mine:
         from longstraw.distributed.replica_gradients import zero_replica_rows
 
-        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, parallel, part, device))
+        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, topology, device))
     total = GradBuffer.from_tensors(
         {n: t.clone() for n, t in artifacts.read_grads(mine[0], device, rank=part).items()}
     )
@@ -571,6 +569,8 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
         learning_rate=update.learning_rate,
         clipped=update.clipped,
         seconds=time.perf_counter() - started,
+        # Global counts (a sharded parameter's numel is the whole tensor's).
+        trainable_parameters=sum(p.numel() for p in ctx.model.parameters() if p.requires_grad),
     )
 
 
@@ -611,6 +611,7 @@ def write_checkpoint(
             tokenizer=ctx.tokenizer,
             optimizer_tensors=ctx.optimizer.state_tensors(),
             trainer_state=trainer_state,
+            base_weights_digest=ctx.base_weights_digest,
         )
     else:
         ref = None
@@ -648,7 +649,13 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
         save_optimizer_part(
             tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size
         )
-        weights = full_state_dict(ctx.model, ctx.weights, copy=is_writer())
+        # A LoRA policy's checkpoint holds its adapters alone: only they are copied.
+        weights = full_state_dict(
+            ctx.model,
+            ctx.weights,
+            copy=is_writer(),
+            trainable_only=ctx.base_weights_digest is not None,
+        )
         dist.barrier(group=control)
     except BaseException:
         # A rank's failed write (a full disk on its node) fails this rank's collectives too: the
@@ -667,6 +674,7 @@ def _write_sharded_checkpoint(ctx, trainer_state: dict):
         tokenizer=ctx.tokenizer,
         trainer_state=trainer_state,
         state_dict=weights,
+        base_weights_digest=ctx.base_weights_digest,
     )
 
 

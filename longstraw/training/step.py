@@ -1,7 +1,7 @@
 """One GRPO step, composed once from its stages; the loop and the Prefect flow both run it.
 
 `run_step(config, policy, stages)` calls each stage through `stages`: `IN_PROCESS` (the stage
-functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.orchestration`). The
+functions themselves) or the Prefect tasks wrapping them one to one (`longstraw.tasks`). The
 composition — which prompts, which stage after which, the normalisers, the step counter, the
 checkpoint cadence, the metrics — exists only here.
 
@@ -404,6 +404,7 @@ def step_metrics(
         truncated_fraction=sum(truncated) / max(len(truncated), 1),
         seconds=seconds,
         peak_rss_bytes=max(s.peak_rss_bytes for s in group_stats) if group_stats else 0,
+        trainable_parameters=getattr(update, "trainable_parameters", None),
         shards_computed=shards_computed,
         shards_reused=shards_reused,
         sweep_shards_computed=sweep_shards[0],

@@ -7,13 +7,13 @@ botocore error (s3fs's OSError for an error answer) or a StateIntegrityError, of
 wrapped (safetensors, zarr, Prefect) and behind hundreds of lines of traceback. `storage_fault`
 finds it in an exception's chain and turns it into a `StorageFault` ("<what> — <fix>"). Every
 stage raises that instead (`storage_faults`), so Prefect's console shows none of it (it is a
-UserError, `orchestration.console`), and `longstraw train` prints it as its last line, exit status
+UserError, `flows.console`), and `longstraw train` prints it as its last line, exit status
 74 (EX_IOERR), the traceback only with `--debug`.
 
 Nothing half-written is read afterwards: checkpoints commit by a rename, prompt states by a marker
 written last, metrics and the plot by a rename; a failed checkpoint write removes its temporary
 directory. So each fault is followed by `--resume` once its cause is fixed. Prefect's task
-retries leave a StorageFault alone (`orchestration.policies.retry_on_transient`): the S3
+retries leave a StorageFault alone (`tasks.policies.retry_on_transient`): the S3
 client's own attempts (`storage.s3_max_attempts`, with backoff) are the one bound on a stall.
 """
 
@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from longstraw.errors import UserError, exception_chain
 from longstraw.schemas.run import RunConfig
 from longstraw.storage.errors import ChunkChecksumError, StateIntegrityError
+from longstraw.training.preflight import human_size
 
 EX_IOERR = 74
 """sysexits.h: an input/output error. A storage fault is the environment's, not the config's
@@ -327,10 +328,3 @@ def damaged_state(error: StateIntegrityError) -> StorageFault:
 def _uri_in(text: str) -> str | None:
     match = re.search(r"((?:file|s3)://\S+|/\S+)", text)
     return match.group(1).rstrip("),:;") if match else None
-
-
-def human_size(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes} B"

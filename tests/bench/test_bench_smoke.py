@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw.bench import methods, suites
-from longstraw.bench.runner import run_isolated
-from longstraw.bench.worker import run_method
-from longstraw.bench.workload import BenchSpec, build_batch, response_lengths
+from bench.grpo import methods, suites
+from bench.grpo.runner import run_isolated
+from bench.grpo.worker import run_method
+from bench.grpo.workload import BenchSpec, build_batch, response_lengths
 
 _MIB = 2**20
 
@@ -118,6 +118,29 @@ def test_fidelity_puts_exact_full_sequence_and_trl_on_the_reference_and_detached
     assert rows["longstraw-detached"]["relative_error"] > 1e-3, rows["longstraw-detached"]
 
 
+def test_naive_group_gradient_takes_a_runs_loss_settings(tiny):
+    """The reference gradient under another loss than TRL's defaults is the exact-mode engine
+    gradient under that loss, and not the default loss's gradient."""
+    from longstraw.engine.group import accumulate_group_gradients
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.schemas.run import EngineConfig
+
+    _, model = tiny
+    spec = BenchSpec(method="fidelity", checkpoint=tiny[0], prompt_tokens=63, group_size=3,
+                     response_tokens=7)  # fmt: skip
+    batch = build_batch(spec, vocab_size=512)
+    config = GRPOConfig(loss_type="grpo", num_generations=3, max_completion_length=12)
+    reference, _ = methods.naive_group_gradient(model, batch, config)
+    default, _ = methods.naive_group_gradient(model, batch)
+    accumulate_group_gradients(model, batch.prompt_ids, batch.responses, batch.advantages,
+                               config, EngineConfig(shard_tokens=10, prompt_grad="exact"))  # fmt: skip
+    engine = methods.flat_grad(model)
+    # Measured: relative error ~1e-7 (fp32 reordering), as the fidelity test's exact row.
+    assert methods.compare(engine, reference)["relative_error"] < 1e-5
+    assert methods.compare(default, reference)["relative_error"] > 1e-2
+
+
+@pytest.mark.processes
 def test_isolated_run_reports_its_own_peak_rss(tiny):
     spec = BenchSpec(method="prefill", checkpoint=tiny[0], prompt_tokens=63, shard_tokens=10)
     record = run_isolated(spec, time_cap_s=300, mem_cap_bytes=8 * 2**30)
@@ -128,6 +151,7 @@ def test_isolated_run_reports_its_own_peak_rss(tiny):
     assert record["observed_peak_rss_bytes"] > 0, record
 
 
+@pytest.mark.processes
 def test_runs_over_the_memory_cap_are_recorded_as_oom_and_later_lengths_as_skipped(tiny):
     # Every Python process with torch imported passes 20 MiB: the first run is killed at once.
     data = suites.context_suite(

@@ -88,6 +88,7 @@ def stand_in(gpu_run, tmp_path, monkeypatch):
     return run
 
 
+@pytest.mark.processes
 def test_each_section_runs_alone_and_a_kill_or_crash_fails_only_its_own(stand_in):
     behaviour = {
         "kernels": "ok",
@@ -122,6 +123,7 @@ def test_each_section_runs_alone_and_a_kill_or_crash_fails_only_its_own(stand_in
     assert "driver 580.159.04" in md and "a stand-in card" in md
 
 
+@pytest.mark.processes
 def test_every_section_that_ran_gives_exit_status_zero_partial_included(stand_in):
     behaviour = {"kernels": "ok", "scale": "partial"}
     status, report, _ = stand_in(behaviour, ["--sections", "kernels", "scale"])
@@ -129,6 +131,7 @@ def test_every_section_that_ran_gives_exit_status_zero_partial_included(stand_in
     assert [s["status"] for s in report["sections"].values()] == ["ok", "partial"]
 
 
+@pytest.mark.processes
 def test_smoke_runs_the_selfchecks_smoke_configuration_on_a_cpu(stand_in):
     cpu = {**_ENV, "device": "cpu", "cuda_available": False}
     status, report, _ = stand_in({"tiers": "ok"}, ["--smoke", "--sections", "tiers"], env=cpu)
@@ -178,6 +181,7 @@ def _run_script(out: Path, *args: str, wheels: str) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
+@pytest.mark.processes
 def test_the_script_without_the_carried_wheels_says_how_to_get_them(tmp_path):
     empty = tmp_path / "wheels"
     empty.mkdir()
@@ -188,6 +192,7 @@ def test_the_script_without_the_carried_wheels_says_how_to_get_them(tmp_path):
     assert "make gpu-wheels" in (tmp_path / "out" / "gpu_run.log").read_text()
 
 
+@pytest.mark.processes
 def test_the_script_runs_a_smoke_section_end_to_end(tmp_path):
     """gpu_run.sh on this environment (GPU_WHEELS=none: its packages are installed): the
     environment lines, one real smoke section in its own process, the merged report and log."""
@@ -219,6 +224,7 @@ def test_the_carried_wheels_are_pinned_within_the_projects_ranges(bench_script):
             assert project[name].specifier.contains(version), (name, version, project[name])
 
 
+@pytest.mark.processes
 def test_the_tracked_tree_leaves_room_for_the_wheels(bench_script):
     gpu_wheels = bench_script("gpu_wheels")
     if not (ROOT / ".git").exists():

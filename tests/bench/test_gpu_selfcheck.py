@@ -122,6 +122,7 @@ def _positive(x) -> bool:
     return isinstance(x, float | int) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.processes
 def test_smoke_writes_every_section_with_status_time_and_budget(smoke, selfcheck):
     report, returned, md, _ = smoke
     assert report["mode"] == "smoke"
@@ -136,6 +137,7 @@ def test_smoke_writes_every_section_with_status_time_and_budget(smoke, selfcheck
         assert heading in md, heading
 
 
+@pytest.mark.processes
 def test_kernels_section_names_every_gpu_package_and_what_ran(smoke):
     kernels = smoke[0]["sections"]["kernels"]
     by_module = {row["module"]: row for row in kernels["packages"]}
@@ -160,6 +162,7 @@ def test_kernels_section_names_every_gpu_package_and_what_ran(smoke):
     assert not any(k.startswith("glm_moe_dsa") and "linear_attention" in k for k in ran), ran
 
 
+@pytest.mark.processes
 def test_parity_rows_are_measured_within_tolerance(smoke, selfcheck):
     rows = smoke[0]["sections"]["parity"]["rows"]
     cfg = selfcheck.SMOKE
@@ -176,6 +179,7 @@ def test_parity_rows_are_measured_within_tolerance(smoke, selfcheck):
     assert fp32 < 1e-5 < bf16, (fp32, bf16)
 
 
+@pytest.mark.processes
 def test_exact_gradient_is_judged_against_float64(smoke):
     (row,) = smoke[0]["sections"]["exact_gradient"]["rows"]
     assert row["status"] == "ok", row
@@ -184,6 +188,7 @@ def test_exact_gradient_is_judged_against_float64(smoke):
     assert row["worst_parameter"], row
 
 
+@pytest.mark.processes
 def test_scale_rows_time_every_stage_and_skip_device_memory_on_cpu(smoke, selfcheck):
     scale = smoke[0]["sections"]["scale"]
     cfg = selfcheck.SMOKE
@@ -224,6 +229,7 @@ def test_command_line_overrides_budgets_and_lengths(selfcheck, tmp_path):
         selfcheck.main(["--smoke", "--out", str(tmp_path), "--budget", "nosuch=1"])
 
 
+@pytest.mark.processes
 def test_tiers_stream_under_a_budget_below_the_state_and_match_resident(smoke):
     resident, tiered = smoke[0]["sections"]["tiers"]["rows"]
     assert resident["config"] == "resident" and resident["status"] == "ok", resident
@@ -296,6 +302,7 @@ def test_budget_skips_a_run_predicted_to_overrun(selfcheck):
     assert selfcheck._predicted(rows, 4000, "step_s", prompt_grad="detached") is None
 
 
+@pytest.mark.processes
 def test_smoke_runs_with_only_what_the_gpu_image_has_or_the_wheels_carry(smoke, blocked):
     """The GPU machine's image lacks prefect, zarr, s3fs and pydantic and reaches no registry:
     the smoke run (every section ok, the tests above) had every other package blocked."""

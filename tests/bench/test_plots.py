@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from longstraw.bench.plots import merge_context_runs
+from bench.grpo.plots import merge_context_runs
 
 
 def _run(method: str, tokens: int, status: str, peak: int) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from longstraw.bench.report import render
+from bench.grpo.report import render
 
 _MACHINE = {
-    "command": "/somewhere/longstraw/bench/__main__.py decode --repeats 3",
+    "command": "/somewhere/bench/grpo/__main__.py decode --repeats 3",
     "date": "d",
     "cpus": 2,
     "memory_gib": 1.0,

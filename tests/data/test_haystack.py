@@ -168,6 +168,35 @@ def test_answer_follows_from_the_decoded_prompt(tokenizer, variant, seed):
     assert decode(tokenizer, example.answer_ids) == " " + example.answer
 
 
+@pytest.mark.parametrize("seed", [42, 7])
+def test_compact_prompt_ends_with_the_asked_record_that_the_answer_completes(tokenizer, seed):
+    config = HaystackTaskConfig(
+        record_format="compact",
+        num_prompt_tokens=2001,
+        key_length=2,
+        value_length=2,
+        num_distinct_distractors=16,
+        seed=seed,
+    )
+    example = generate_haystack_task(config, tokenizer)
+    text = decode(tokenizer, example.prompt_ids)
+    assert tokenizer.encode(text).ids == example.prompt_ids.tolist()
+    body, _, last = text.rpartition("\n")
+    (key,) = example.metadata["asked_keys"]
+    assert last == f"Key {key}:" == example.metadata["question"]
+    # The test's own reading of the records: every one is "Key K: V", the asked key's exactly once.
+    records = re.findall(r"^Key (\w+): (\w+)$", body, flags=re.MULTILINE)
+    assert len(records) == body.count("Key ") > 16
+    assert [v for k, v in records if k == key] == example.metadata["values"]
+    assert len({k for k, _ in records}) == 17  # the needle and the 16 distractors, repeated
+    assert decode(tokenizer, example.answer_ids) == " " + example.answer
+    (needle,) = example.metadata["needles"]
+    start, n = needle["token_start"], needle["num_tokens"]
+    assert (
+        decode(tokenizer, example.prompt_ids[start : start + n]) == f"Key {key}: {example.answer}\n"
+    )
+
+
 def test_keys_values_and_depths_do_not_depend_on_the_tokenizer(tokenizer):
     coarse = train_byte_level_bpe(vocab_size=300)
     config = HaystackTaskConfig(variant="multi_hop", num_hops=3, num_prompt_tokens=10_001)
@@ -292,6 +321,8 @@ def test_prompt_too_short_for_its_needles_says_the_minimum(tokenizer):
         ({"needle_depths": (1.5,)}, r"\[0, 1\]"),
         ({"num_prompt_tokens": 5_000_000}, "less than or equal"),
         ({"bogus": 1}, "Extra inputs"),
+        ({"record_format": "compact", "variant": "multi_hop", "num_hops": 1}, "use variant kv_"),
+        ({"record_format": "compact", "answer_format": "json"}, "set answer_format 'plain'"),
     ],
 )
 def test_bad_config_says_what_to_change(fields, message):

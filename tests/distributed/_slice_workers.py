@@ -53,13 +53,12 @@ def slices_against_dense(
     shard_tokens: int,
     dtype: str = "float32",
 ):
-    """Seq-sharded slices vs the dense `sharded_group_gradients` (both modes), accumulator
+    """Seq-sharded slices vs the dense reference `dense_group_gradients` (both modes), accumulator
     bytes (declared and probed) and the sweep's scatter traffic; `dtype` of the model."""
-    from longstraw.distributed.sharded_group import (
-        sharded_group_gradient_slices,
-        sharded_group_gradients,
-    )
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from _group_gradients import dense_group_gradients, group_gradient_on_ranks
+
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -67,7 +66,7 @@ def slices_against_dense(
     model.eval()
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     config = GRPOConfig(beta=0.0)
-    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    state = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out: dict = {
         "param_bytes_fp32": 4 * sum(p.numel() for p in params.values()),
@@ -75,11 +74,11 @@ def slices_against_dense(
     }
     for mode in ("detached", "exact"):
         with ZeroFilledBytes() as dense_probe:
-            dense, dense_logps = sharded_group_gradients(
+            dense, dense_logps = dense_group_gradients(
                 model, state, responses, advantages, config, prompt_grad=mode
             )
         with ZeroFilledBytes() as sliced_probe:
-            slices, logps = sharded_group_gradient_slices(
+            slices, logps = group_gradient_on_ranks(
                 model, state, responses, advantages, config, prompt_grad=mode
             )
         out[mode] = {
@@ -109,21 +108,20 @@ def fsdp_sliced_step(
     shards vs the dense path's data-averaged gradient and the single-process engine; optimizer
     steps on the shards vs the single-process step and vs dense parameters."""
     import torch.distributed as dist
+    from _group_gradients import dense_group_gradients, group_gradient_on_ranks
     from torch.distributed.tensor import DTensor
 
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.fsdp import (
         DATA,
         SEQ,
         data_seq_mesh,
+        mesh_topology,
         set_sharded_gradients,
         shard_model_over_data_and_seq,
         unsharded_parameters,
     )
-    from longstraw.distributed.sharded_group import (
-        sharded_group_gradient_slices,
-        sharded_group_gradients,
-    )
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -142,16 +140,18 @@ def fsdp_sliced_step(
     modules, _ = shard_model_over_data_and_seq(model, mesh)
     prompt, responses, advantages = batches[rank // seq]
     with unsharded_parameters(modules):
-        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens, group=seq_group)
+        state = prefill(
+            model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange(seq_group)
+        )
         # The dense path, averaged over data: the reference the shards must equal.
-        dense, _ = sharded_group_gradients(
+        dense, _ = dense_group_gradients(
             model, state, responses, advantages, config, prompt_grad=prompt_grad,
             group=seq_group, data_group=mesh.get_group(DATA),
         )  # fmt: skip
         with ZeroFilledBytes() as probe:
-            slices, _ = sharded_group_gradient_slices(
+            slices, _ = group_gradient_on_ranks(
                 model, state, responses, advantages, config, prompt_grad=prompt_grad,
-                group=seq_group, data_size=data,
+                group=seq_group, topology=mesh_topology(mesh),
             )  # fmt: skip
     accumulator_bytes = slices.nbytes()
     data_reduce_bytes = set_sharded_gradients(model, slices, mesh)
@@ -204,17 +204,92 @@ def fsdp_sliced_step(
     out["steps_vs_dense_same_grad"] = max(
         (params[n].full_tensor() - p).abs().max().item() for n, p in dense_model.named_parameters()
     )
+    # The same processes and mesh, a LoRA policy: the frozen base and the adapters sharded at
+    # rest together, the adapters' gradient slices reduced into their FSDP shards.
+    out["lora"] = _lora_sliced_step(
+        rank, world, checkpoint, mesh, batches, shard_tokens, prompt_grad
+    )
     return out
+
+
+def _lora_sliced_step(rank, world, checkpoint, mesh, batches, shard_tokens, prompt_grad) -> dict:
+    """A peft LoRA policy (rank-4 adapters on every linear layer, both factors random, the same
+    seed on every rank) through `fsdp_sliced_step`'s path: each adapter's gathered DTensor
+    gradient against the single-process engine's, averaged over the data replicas' groups."""
+    from _group_gradients import group_gradient_on_ranks
+    from torch.distributed.tensor import DTensor
+
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.distributed.fsdp import (
+        SEQ,
+        mesh_topology,
+        set_sharded_gradients,
+        shard_model_over_data_and_seq,
+        unsharded_parameters,
+    )
+    from longstraw.engine.group import GradBuffer, accumulate_group_gradients
+    from longstraw.engine.prefill import prefill
+    from longstraw.models.checkpoint import load_checkpoint
+    from longstraw.models.lora import with_lora
+    from longstraw.schemas.grpo import GRPOConfig
+    from longstraw.schemas.run import EngineConfig, LoraConfig
+
+    settings = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)
+    config = GRPOConfig(beta=0.0)
+    data, seq = mesh.size(0), mesh.size(1)
+
+    def lora_model():
+        model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+        model.eval()
+        return with_lora(model, settings, seed=5)
+
+    reference = lora_model()
+    want = GradBuffer(reference)
+    for prompt, responses, advantages in batches:
+        accumulate_group_gradients(
+            reference, prompt, responses, advantages, config,
+            EngineConfig(shard_tokens=shard_tokens, prompt_grad=prompt_grad), grad_buffer=want,
+        )  # fmt: skip
+    for grad in want.grads.values():
+        grad /= data
+
+    model = lora_model()
+    modules, _ = shard_model_over_data_and_seq(model, mesh)
+    prompt, responses, advantages = batches[rank // seq]
+    seq_group = mesh.get_group(SEQ)
+    with unsharded_parameters(modules):
+        state = prefill(
+            model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange(seq_group)
+        )
+        slices, _ = group_gradient_on_ranks(
+            model, state, responses, advantages, config, prompt_grad=prompt_grad,
+            group=seq_group, topology=mesh_topology(mesh),
+        )  # fmt: skip
+    set_sharded_gradients(model, slices, mesh)
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    return {
+        "trainable": sorted(trainable) == sorted(want.grads),
+        "only_adapters": all(".lora_A." in n or ".lora_B." in n for n in trainable),
+        "base_without_grad": all(params[n].grad is None for n in params if n not in trainable),
+        "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
+        "accumulator_numel": sum(g.numel() for g in slices.grads.values()),
+        "adapter_numel": sum(params[n].numel() for n in trainable),
+        "grad": max(
+            ((params[n].grad.full_tensor() - g).abs().max() / g.abs().max()).item()
+            for n, g in want.grads.items()
+        ),
+        "world": world,
+    }
 
 
 def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_tokens: int):
     """GLM-5: slices vs the dense path in both modes (the exact sweep's owner scatters through
     the MLA serve loop's OP_GRADIENT_SLICES)."""
-    from longstraw.distributed.sharded_group import (
-        sharded_group_gradient_slices,
-        sharded_group_gradients,
-    )
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from _group_gradients import dense_group_gradients, group_gradient_on_ranks
+
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -222,13 +297,13 @@ def glm_slices(rank: int, world: int, checkpoint: str, prompt_len: int, shard_to
     model.eval()
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     config = GRPOConfig(beta=0.0)
-    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    state = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     out = {}
     for mode in ("detached", "exact"):
-        dense, _ = sharded_group_gradients(
+        dense, _ = dense_group_gradients(
             model, state, responses, advantages, config, prompt_grad=mode
         )
-        slices, _ = sharded_group_gradient_slices(
+        slices, _ = group_gradient_on_ranks(
             model, state, responses, advantages, config, prompt_grad=mode
         )
         out[mode] = {

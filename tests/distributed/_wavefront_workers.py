@@ -97,12 +97,14 @@ def wavefront_against_sequential(
     attention_window: int | None = None,
     index_topk: int | None = None,
 ):
-    """The wavefront state against `sharded_prefill`'s, field by field; optionally the exact-mode
+    """The wavefront state against the sequential schedule's, field by field; optionally the exact-mode
     group gradients (replay + the reverse sweep, which re-checks every shard bitwise) from both."""
+    from _group_gradients import dense_group_gradients
+
     from longstraw.distributed.cross_rank_attention import COMM
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -112,7 +114,7 @@ def wavefront_against_sequential(
         _set_index_topk(model, index_topk)
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, prompt_len)
     before = COMM.bytes_sent
-    sequential = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    sequential = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     sequential_bytes = COMM.bytes_sent - before
     before = COMM.bytes_sent
     wavefront = wavefront_prefill(
@@ -137,10 +139,10 @@ def wavefront_against_sequential(
         }
     if gradients:
         config = GRPOConfig(beta=0.0)
-        got, got_logps = sharded_group_gradients(
+        got, got_logps = dense_group_gradients(
             model, wavefront, responses, advantages, config, prompt_grad="exact"
         )
-        want, want_logps = sharded_group_gradients(
+        want, want_logps = dense_group_gradients(
             model, sequential, responses, advantages, config, prompt_grad="exact"
         )
         out["grads_bitwise"] = set(got.grads) == set(want.grads) and all(
@@ -223,13 +225,13 @@ def resume_persisted_prefill_with(
     shard_tokens: int,
 ):
     """The rerun with `schedule` (background writers) against an uninterrupted sequential
-    `sharded_prefill`: counts, state, committed state and exact-mode gradients."""
+    the sequential schedule: counts, state, committed state and exact-mode gradients."""
+    from _group_gradients import dense_group_gradients
     from _workers import _persisted_setup
 
     from longstraw.distributed.exchange import CrossRankExchange
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_state import gather_state
+    from longstraw.engine.prefill import prefill
     from longstraw.schemas.grpo import GRPOConfig
     from longstraw.storage import open_committed_state
     from longstraw.training.persisted_prefill import persisted_prefill
@@ -246,14 +248,14 @@ def resume_persisted_prefill_with(
         exchange=CrossRankExchange(),
         schedule=schedule,
     )
-    uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    uninterrupted = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     whole, want = gather_state(resumed).tensors(), gather_state(uninterrupted).tensors()
     committed = open_committed_state(
         outcome.ref, expect_weights_digest="weights", expect_policy_version=0, cache=None
     ).tensors
     config = GRPOConfig(beta=0.0)
-    got, _ = sharded_group_gradients(model, resumed, responses, advantages, config)
-    ref, _ = sharded_group_gradients(model, uninterrupted, responses, advantages, config)
+    got, _ = dense_group_gradients(model, resumed, responses, advantages, config)
+    ref, _ = dense_group_gradients(model, uninterrupted, responses, advantages, config)
     return {
         "resumed_at": outcome.resumed_at,
         "counts": (outcome.shards_computed, outcome.shards_reused, outcome.boundary_reads),
@@ -270,8 +272,9 @@ def wavefront_on_subgroups(rank: int, world: int, checkpoint: str, seq: int):
     own prompt: the wavefront state against the sequential one within each subgroup."""
     import torch.distributed as dist
 
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.wavefront_prefill import wavefront_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     groups = [dist.new_group(list(range(g, g + seq))) for g in range(0, world, seq)]
@@ -280,7 +283,7 @@ def wavefront_on_subgroups(rank: int, world: int, checkpoint: str, seq: int):
     model.eval()
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (41,), generator=torch.Generator().manual_seed(rank // seq))
-    want = sharded_prefill(model, prompt, shard_tokens=4, group=group)
+    want = prefill(model, prompt, shard_tokens=4, exchange=CrossRankExchange(group))
     got = wavefront_prefill(model, prompt, shard_tokens=4, group=group)
     return {
         "group_rank": got.rank,

@@ -68,11 +68,10 @@ def _same_selections(got: list, want: list) -> tuple[int, int]:
 
 def _glm_selection_checks(model, reference, local, world, rank, prompt, responses, shard_tokens):
     """DSA selections of the sharded engine vs the single-process one, position for position."""
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_replay import sharded_branch_logprobs
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.sharded_state import scatter_state
     from longstraw.engine.prefill import prefill
-    from longstraw.engine.replay import branch_logprobs
+    from longstraw.engine.replay import branch_logprobs, replay_branch
 
     out: dict = {}
     layers = model.config.num_hidden_layers
@@ -86,7 +85,7 @@ def _glm_selection_checks(model, reference, local, world, rank, prompt, response
             h.remove()
     hooks = _recorded_selections(model, got)
     try:
-        sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+        prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     finally:
         for h in hooks:
             h.remove()
@@ -107,7 +106,7 @@ def _glm_selection_checks(model, reference, local, world, rank, prompt, response
                     h.remove()
             hooks = _recorded_selections(model, got)
             try:
-                g, _ = sharded_branch_logprobs(model, placed, response)
+                g, _ = replay_branch(model, placed, response, exchange=CrossRankExchange())
             finally:
                 for h in hooks:
                     h.remove()
@@ -130,8 +129,9 @@ def compare_with_single_process(
 
     `index_topk` (GLM-5) overrides the DSA top-k; GLM runs also compare the DSA selections.
     """
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from _group_gradients import dense_group_gradients
+
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.sharded_state import gather_state, scatter_state
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
@@ -152,7 +152,7 @@ def compare_with_single_process(
     out["placement_bitwise"] = all(
         torch.equal(placed.tensors()[n], t) for n, t in reference.tensors().items()
     )
-    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    local = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     whole = gather_state(local)
     out["state_max_rel"] = max(
         ((whole.tensors()[n] - t).abs().max() / t.abs().max()).item()
@@ -172,7 +172,7 @@ def compare_with_single_process(
             model, reference, responses, advantages, config,
             EngineConfig(shard_tokens=shard_tokens, prompt_grad=mode), grad_buffer=want,
         )  # fmt: skip
-        got, logps = sharded_group_gradients(
+        got, logps = dense_group_gradients(
             model, local, responses, advantages, config, prompt_grad=mode
         )
         out[f"{mode}_logp_max_diff"] = max(
@@ -192,7 +192,8 @@ def compare_with_single_process(
 
 def die_during_prefill(rank: int, world: int, checkpoint: str, dying_rank: int):
     """Rank `dying_rank` exits hard after its first prefill shard; the others are mid-collective."""
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
@@ -202,7 +203,7 @@ def die_during_prefill(rank: int, world: int, checkpoint: str, dying_rank: int):
         if rank == dying_rank:
             os._exit(17)
 
-    sharded_prefill(model, prompt, shard_tokens=20, on_shard=on_shard)
+    prefill(model, prompt, shard_tokens=20, on_shard=on_shard, exchange=CrossRankExchange())
     return "finished"
 
 
@@ -265,10 +266,11 @@ def resume_persisted_prefill(
     rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
 ):
     """Rerun after a crash: resume from the recorded shards; compare with an uninterrupted run."""
+    from _group_gradients import dense_group_gradients
+
     from longstraw.distributed.exchange import CrossRankExchange
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.distributed.sharded_state import gather_state
+    from longstraw.engine.prefill import prefill
     from longstraw.schemas.grpo import GRPOConfig
     from longstraw.storage import open_committed_state
     from longstraw.training.persisted_prefill import persisted_prefill
@@ -281,7 +283,7 @@ def resume_persisted_prefill(
         model, prompt, shard_tokens=shard_tokens, storage=storage, key=key,
         exchange=CrossRankExchange(),
     )  # fmt: skip
-    uninterrupted = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    uninterrupted = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     out = {
         "resumed_at": outcome.resumed_at,
         "computed": outcome.shards_computed,
@@ -299,8 +301,8 @@ def resume_persisted_prefill(
         torch.equal(committed[n], t) for n, t in want.items()
     )
     config = GRPOConfig(beta=0.0)
-    got, _ = sharded_group_gradients(model, resumed, responses, advantages, config)
-    ref, _ = sharded_group_gradients(model, uninterrupted, responses, advantages, config)
+    got, _ = dense_group_gradients(model, resumed, responses, advantages, config)
+    ref, _ = dense_group_gradients(model, uninterrupted, responses, advantages, config)
     out["grads_bitwise"] = all(torch.equal(got.grads[n], g) for n, g in ref.grads.items())
     out["grad_errors"] = _grad_errors(got, ref)
     # A third run finds the state committed: everything restored, nothing computed.
@@ -319,13 +321,13 @@ def budgeted_sharded_sessions(
     rank: int, world: int, checkpoint: str, root: str, prompt_len: int, shard_tokens: int
 ):
     """Per-shard `PrefillSession` calls with each rank's slice tiered from the start
-    (budget 0, disk, a 16-position grid), both schedules, against `sharded_prefill`."""
+    (budget 0, disk, a 16-position grid), both schedules, against the sequential schedule."""
     import tempfile
 
     from longstraw.distributed.exchange import CrossRankExchange
-    from longstraw.distributed.sharded_prefill import sharded_prefill
     from longstraw.engine import attention
     from longstraw.engine.layer_kinds import named_arrays
+    from longstraw.engine.prefill import prefill
     from longstraw.engine.state import token_rows
     from longstraw.engine.state_tiers import StateBudget
     from longstraw.models.checkpoint import load_checkpoint
@@ -336,7 +338,7 @@ def budgeted_sharded_sessions(
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt, _, _ = _group(model.config.get_text_config().vocab_size, prompt_len)
-    want = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    want = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     out = {}
     for schedule in ("sequential", "wavefront"):
         storage = StorageConfig(root_uri=f"{root}/{schedule}", persist_mode="synchronous")
@@ -415,8 +417,10 @@ def fsdp_data_parallel_step(
 ):
     """FSDP2 over "data" × sequence sharding over "seq": gradients and optimizer steps against the
     single-process engine (each data replica's group computed here too, then averaged)."""
+    from _group_gradients import dense_group_gradients
     from torch.distributed.tensor import DTensor
 
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.distributed.fsdp import (
         SEQ,
         data_seq_mesh,
@@ -424,8 +428,7 @@ def fsdp_data_parallel_step(
         shard_model,
         unsharded_parameters,
     )
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
@@ -444,8 +447,13 @@ def fsdp_data_parallel_step(
     modules = shard_model(model, mesh)
     prompt, responses, advantages = batches[rank // seq]
     with unsharded_parameters(modules):
-        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens, group=mesh.get_group(SEQ))
-        got, _ = sharded_group_gradients(
+        state = prefill(
+            model,
+            prompt,
+            shard_tokens=shard_tokens,
+            exchange=CrossRankExchange(mesh.get_group(SEQ)),
+        )
+        got, _ = dense_group_gradients(
             model, state, responses, advantages, config, group=mesh.get_group(SEQ)
         )
     shard_gradients_over_data(model, got, mesh)
@@ -492,8 +500,9 @@ def glm_branch_traffic_and_saved_tensors(rank: int, world: int, checkpoint: str,
     """GLM-5 replay on a sharded state: bytes each rank hands to collectives for one branch
     (forward + backward), and the largest tensor autograd saves, at two prompt lengths."""
     from longstraw.distributed.cross_rank_attention import COMM
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_replay import sharded_branch_logprobs, zeros_cotangent
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.replay import PromptCotangent, replay_branch
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
@@ -502,8 +511,8 @@ def glm_branch_traffic_and_saved_tensors(rank: int, world: int, checkpoint: str,
     out: dict = {"saved": {}}
     for prompt_len in (100, 300):
         prompt, responses, _ = _group(vocab, prompt_len)
-        state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
-        cotangent = zeros_cotangent(state)
+        state = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
+        cotangent = PromptCotangent.zeros_like_state(state)
         sizes = []
 
         def pack(tensor, sizes=sizes):
@@ -512,7 +521,9 @@ def glm_branch_traffic_and_saved_tensors(rank: int, world: int, checkpoint: str,
 
         before = COMM.bytes_sent
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logp, _ = sharded_branch_logprobs(model, state, responses[0], cotangent=cotangent)
+            logp, _ = replay_branch(
+                model, state, responses[0], cotangent=cotangent, exchange=CrossRankExchange()
+            )
         logp.sum().backward()
         out["saved"][prompt_len] = max(sizes)
         out[f"branch_bytes_{prompt_len}"] = COMM.bytes_sent - before
@@ -524,18 +535,20 @@ def glm_branch_traffic_and_saved_tensors(rank: int, world: int, checkpoint: str,
 def glm_sweep_with_corrupted_latent(rank: int, world: int, checkpoint: str, shard_tokens: int):
     """The last rank's stored latent of the last prompt position is off by 1e-3 (only branches
     read it, so only the recomputation of the last shard can notice): the sweep must refuse."""
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from _group_gradients import dense_group_gradients
+
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
     from longstraw.models.checkpoint import load_checkpoint
     from longstraw.schemas.grpo import GRPOConfig
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt, responses, advantages = _group(model.config.get_text_config().vocab_size, 100)
-    state = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    state = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     if rank == world - 1:
         state.latent[1, -1] += 1e-3
-    sharded_group_gradients(model, state, responses, advantages, GRPOConfig(beta=0.0))
+    dense_group_gradients(model, state, responses, advantages, GRPOConfig(beta=0.0))
     return "finished"
 
 
@@ -571,8 +584,7 @@ def rollout_against_single_process(
     """Sharded rollout on this rank vs the single-process rollout (run here too): greedy tokens
     and log-probs, seeded sampling vs a single-process replay, stop ids, max tokens, traffic."""
     from longstraw.distributed.cross_rank_attention import COMM
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.engine.prefill import prefill
     from longstraw.engine.rollout import SamplingParams, sample_responses, score_responses
     from longstraw.models.checkpoint import load_checkpoint
@@ -584,14 +596,16 @@ def rollout_against_single_process(
     vocab = model.config.get_text_config().vocab_size
     prompt, _, _ = _group(vocab, prompt_len)
     reference = prefill(model, prompt, shard_tokens=shard_tokens)
-    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    local = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
 
     def generator(seed: int = SEED) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
 
     def sharded(params, state=local, seed=SEED):
         before = COMM.bytes_sent
-        got = sharded_sample_responses(model, state, params, generator=generator(seed))
+        got = sample_responses(
+            model, state, params, generator=generator(seed), exchange=CrossRankExchange()
+        )
         return got, COMM.bytes_sent - before
 
     def summary(responses):
@@ -665,7 +679,12 @@ def rollout_against_single_process(
     out["bytes_per_step"] = _decode_bytes_per_step(model, local, 4, out["sparse"])
     out["agent"] = _agent_branches_against_single_process(model, reference, local, vocab)
     # Traffic does not grow with the prompt: the same greedy decode on a longer prompt.
-    longer = sharded_prefill(model, _group(vocab, second_prompt_len)[0], shard_tokens=shard_tokens)
+    longer = prefill(
+        model,
+        _group(vocab, second_prompt_len)[0],
+        shard_tokens=shard_tokens,
+        exchange=CrossRankExchange(),
+    )
     _, out["greedy_bytes_second_prompt"] = sharded(greedy, state=longer)
     return out
 
@@ -749,18 +768,19 @@ def _agent_branches_against_single_process(model, reference, local, vocab) -> di
 
 def rollout_with_divergent_seed(rank: int, world: int, checkpoint: str, diverging_rank: int):
     """`diverging_rank` seeds its generator differently: every rank must refuse, not hang."""
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_rollout import sharded_sample_responses
-    from longstraw.engine.rollout import SamplingParams
+    from longstraw.distributed.exchange import CrossRankExchange
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.rollout import SamplingParams, sample_responses
     from longstraw.models.checkpoint import load_checkpoint
 
     model, _, _ = load_checkpoint(checkpoint, dtype=torch.float32)
     model.eval()
     prompt, _, _ = _group(model.config.get_text_config().vocab_size, 60)
-    state = sharded_prefill(model, prompt, shard_tokens=17)
+    state = prefill(model, prompt, shard_tokens=17, exchange=CrossRankExchange())
     seed = SEED + (1 if rank == diverging_rank else 0)
     params = SamplingParams(num_samples=8, max_new_tokens=4)
-    sharded_sample_responses(model, state, params, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    sample_responses(model, state, params, generator=generator, exchange=CrossRankExchange())
     return "finished"
 
 
@@ -799,8 +819,9 @@ def branches_against_single_process(rank: int, world: int, checkpoint: str, prom
 def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget=False) -> dict:
     """`BRANCH_CASES` on this rank's slice vs one process (and, with `budget`, the budgeted
     cases against the resident slice)."""
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
+    from _group_gradients import dense_group_gradients
+
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.engine.group import GradBuffer, accumulate_group_gradients
     from longstraw.engine.prefill import prefill
     from longstraw.schemas.grpo import GRPOConfig
@@ -809,7 +830,7 @@ def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget
     prompt, responses, advantages = _shared_prefix_group(vocab, prompt_len)
     config = GRPOConfig(beta=0.0)
     reference = prefill(model, prompt, shard_tokens=shard_tokens)
-    local = sharded_prefill(model, prompt, shard_tokens=shard_tokens)
+    local = prefill(model, prompt, shard_tokens=shard_tokens, exchange=CrossRankExchange())
     out: dict = {}
     for name, mode, segment_tokens, share in BRANCH_CASES:
         engine = EngineConfig(
@@ -822,7 +843,7 @@ def _branch_cases_against_single_process(model, prompt_len, shard_tokens, budget
         stats = accumulate_group_gradients(
             model, reference, responses, advantages, config, engine, grad_buffer=want
         )
-        got, logps = sharded_group_gradients(
+        got, logps = dense_group_gradients(
             model, local, responses, advantages, config, prompt_grad=mode,
             branch_segment_tokens=segment_tokens, share_response_prefixes=share,
         )  # fmt: skip
@@ -860,11 +881,12 @@ def _budgeted_against_resident(
     each of `cases` (`BUDGET_CASES` rows)."""
     import tempfile
 
-    from longstraw.distributed.sharded_group import sharded_group_gradients
-    from longstraw.distributed.sharded_prefill import sharded_prefill
-    from longstraw.distributed.sharded_rollout import sharded_sample_responses
+    from _group_gradients import dense_group_gradients
+
+    from longstraw.distributed.exchange import CrossRankExchange
     from longstraw.engine import attention
-    from longstraw.engine.rollout import SamplingParams
+    from longstraw.engine.prefill import prefill
+    from longstraw.engine.rollout import SamplingParams, sample_responses
     from longstraw.engine.state_tiers import state_traffic, tiered_for_group
     from longstraw.models import glm
 
@@ -876,9 +898,10 @@ def _budgeted_against_resident(
     sampling = SamplingParams(num_samples=3, max_new_tokens=5, temperature=0.9)
 
     def sample(state):
-        drawn = sharded_sample_responses(
-            model, state, sampling, generator=torch.Generator().manual_seed(SEED)
-        )
+        drawn = sample_responses(
+            model, state, sampling, generator=torch.Generator().manual_seed(SEED),
+            exchange=CrossRankExchange(),
+        )  # fmt: skip
         return [(r.token_ids, r.logprobs) for r in drawn]
 
     out: dict = {}
@@ -886,14 +909,16 @@ def _budgeted_against_resident(
     attention.PREFIX_CHUNK_TOKENS = glm.PREFIX_CHUNK_TOKENS = BUDGET_CHUNK_TOKENS
     try:
         # The prefill on the same grid: the exact sweep checks its recomputation bitwise.
-        local = sharded_prefill(model, prompt, shard_tokens=local.shard_tokens)
+        local = prefill(
+            model, prompt, shard_tokens=local.shard_tokens, exchange=CrossRankExchange()
+        )
         want_samples = sample(local)
         for name, mode, segment_tokens, share in cases:
             options = dict(
                 prompt_grad=mode, branch_segment_tokens=segment_tokens,
                 share_response_prefixes=share,
             )  # fmt: skip
-            want, want_logps = sharded_group_gradients(
+            want, want_logps = dense_group_gradients(
                 model, local, responses, advantages, config, **options
             )
             for tier in ("host", "disk"):
@@ -901,7 +926,7 @@ def _budgeted_against_resident(
                     with tiered_for_group(
                         model, local, 0, tier, scratch, exact=mode == "exact"
                     ) as tiered:
-                        got, logps = sharded_group_gradients(
+                        got, logps = dense_group_gradients(
                             model, tiered, responses, advantages, config, **options
                         )
                         samples = sample(tiered) if name == "whole" else want_samples

@@ -13,11 +13,14 @@ import functools
 import pytest
 from _workers import fsdp_data_parallel_step
 
+import longstraw.distributed.exchange
 import longstraw.distributed.fsdp
-import longstraw.distributed.sharded_group
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS = 110, 17
 # (family, data, seq): 2 processes (pure data parallel) and 4 (2 replicas of a 2-rank sequence

@@ -1,9 +1,10 @@
-"""Sequence-sharded fp32 gradient accumulators (`sharded_group_gradient_slices`) vs the dense path.
+"""Sequence-sharded fp32 gradient accumulators (the engine's `group_gradient` over the ranks) vs
+the dense reference (`_group_gradients.dense_group_gradients`).
 
 Same group as test_sharded_engine.py: P = 200 (T = 199) in 33-token shards, 7 shards split 4 + 3
 (llama, 2 ranks) and 3 + 2 + 2 (qwen3_5, 3 ranks). On 3 ranks dim 0 = 64 splits 22 + 22 + 20 and
 the [4] / [4, 64] parameters 2 + 2 + 0: uneven rows and an empty slice. Each rank's slices must
-equal the same rows of `sharded_group_gradients`' dense result, partition every parameter's rows,
+equal the same rows of the dense reference's result, partition every parameter's rows,
 and the step must never allocate a dense fp32 accumulator.
 """
 
@@ -15,11 +16,14 @@ import pytest
 import torch
 from _slice_workers import glm_slices, slices_against_dense
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.gradient_slices import SliceLayout
 from longstraw.distributed.launch import run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS = 200, 33
 CASES = [("llama", 2), ("qwen3_5", 3)]

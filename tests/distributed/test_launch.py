@@ -7,9 +7,12 @@ import time
 import pytest
 from _workers import die_during_prefill, raise_on_rank
 
-import longstraw.distributed.sharded_prefill
+import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 
 def test_rank_exception_fails_the_call_with_rank_and_traceback():

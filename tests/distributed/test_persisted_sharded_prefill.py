@@ -12,11 +12,14 @@ from __future__ import annotations
 import pytest
 from _workers import budgeted_sharded_sessions, persisted_prefill_dying, resume_persisted_prefill
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.distributed.sharded_state import scatter_state
 from longstraw.engine.state_layout import state_layout
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS, NUM_SHARDS = 200, 33, 7
 # (family, ranks, dying rank, the shard after which it dies, expected per rank:
@@ -93,7 +96,7 @@ def test_sharded_layout_is_the_single_process_layout(load_tiny, family):
 def test_each_rank_prefills_its_slice_straight_into_its_tier(tmp_path, checkpoint_dir):
     """Under a budget of 0 each rank's slice is tiered from its allocation: the per-shard
     session (one call per shard, as the prefill_shard tasks make it) writes every owned shard's
-    K/V to the rank's scratch file, both schedules give `sharded_prefill`'s bits, and a rank
+    K/V to the rank's scratch file, both schedules give the sequential schedule's bits, and a rank
     never holds more than one chunk unit of prompt state."""
     results = run_on_ranks(
         budgeted_sharded_sessions, 2, str(checkpoint_dir("qwen3_5")), str(tmp_path),

@@ -13,9 +13,12 @@ from __future__ import annotations
 import pytest
 from _wavefront_workers import persisted_prefill_dying_with, resume_persisted_prefill_with
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS, NUM_SHARDS = 200, 33, 7
 # (family, ranks, crashed run's schedule, rerun's schedule, dying rank, the shard after which it

@@ -18,6 +18,9 @@ from _workers import BRANCH_CASES, BUDGET_CASES, branches_against_single_process
 
 from longstraw.distributed.launch import run_on_ranks
 
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
+
 PROMPT_LEN, SHARD_TOKENS, WORLD = 120, 33, 2
 # As tests/distributed/test_sharded_engine.py: the cross-rank merge reorders fp32 sums.
 GRAD_MAX_REL = 1e-5

@@ -12,10 +12,13 @@ import functools
 import pytest
 from _workers import compare_with_single_process
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS = 200, 33
 # fork: ranks inherit the imported torch/transformers/longstraw (spawn re-imports: ~10 s a rank).

@@ -20,12 +20,15 @@ from _workers import (
     glm_sweep_with_corrupted_latent,
 )
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.cross_rank_mla import global_topk, local_topk_candidates
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
 from longstraw.ops.dsa_topk import naive_stable_topk_mask
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 PROMPT_LEN, SHARD_TOKENS = 100, 13
 START_METHOD = "fork"

@@ -14,11 +14,14 @@ import functools
 import pytest
 from _workers import rollout_against_single_process, rollout_with_divergent_seed
 
-import longstraw.distributed.sharded_rollout
+import longstraw.distributed.exchange
 import longstraw.engine.prefill
 import longstraw.engine.rollout
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 START_METHOD = "fork"
 CASES = [("llama", 2, 200, 33), ("qwen3_5", 3, 200, 33), ("glm_moe_dsa", 2, 100, 13),

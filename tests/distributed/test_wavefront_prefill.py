@@ -1,4 +1,4 @@
-"""The layer-wavefront prefill gives `sharded_prefill`'s state bit for bit (gloo, CPU).
+"""The layer-wavefront prefill gives the sequential schedule's state bit for bit (gloo, CPU).
 
 Cases: P = 22 (21 state tokens) in 2-token shards = 11 shards, split 6 + 5 over 2 ranks and
 4 + 4 + 3 over 3 ranks — the tiny Qwen3.5's conv tail is 3 inputs wide, so every tail spans
@@ -21,10 +21,13 @@ from _wavefront_workers import (
     wavefront_on_subgroups,
 )
 
-import longstraw.distributed.sharded_group
+import longstraw.distributed.exchange
 import longstraw.distributed.wavefront_prefill
 import longstraw.models.checkpoint  # noqa: F401
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
+
+# Every test here launches ranks (`run_on_ranks`).
+pytestmark = pytest.mark.processes
 
 START_METHOD = "fork"
 SPARSE, DENSE = 32, 1 << 20  # GLM-5 `index_topk`: the tiny checkpoint's, and everything

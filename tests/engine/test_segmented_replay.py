@@ -24,10 +24,10 @@ from engine_helpers import (
     zero_grads,
 )
 
+from longstraw.engine.branch_tree import segmented_branch_backward
 from longstraw.engine.group import accumulate_group_gradients
 from longstraw.engine.prefill import prefill
 from longstraw.engine.recomputed_span import RecomputedStateMismatchError
-from longstraw.engine.segmented_replay import segmented_branch_backward
 from longstraw.grpo.losses import branch_loss, sequence_weights
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.run import EngineConfig

@@ -22,7 +22,7 @@ from flow_helpers import (
     write_run_yaml,
 )
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.prefect, pytest.mark.slow]
 
 RUN_ID = "crash"
 FLOWS_DIR = Path(__file__).parent

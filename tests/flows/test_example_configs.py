@@ -140,3 +140,48 @@ def test_torchrun_manifest_forms_the_world_its_command_names():
     assert config.parallel.world_size == nodes * per_node
     assert config.parallel.data_parallel == nodes
     assert config.parallel.sequence_ranks == per_node
+
+
+ONE_GPU_LORA = ROOT / "examples" / "qwen35-27b-1m-1gpu-lora.yaml"
+
+
+def _projection():
+    """bench/project_lora_memory.py as a module: the projection docs/scaling.md tabulates."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "project_lora_memory", ROOT / "bench" / "project_lora_memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    # Its dataclasses resolve their annotations through the module's entry in sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_gpu_lora_example_fits_an_h200_by_the_projection():
+    """Qwen3.5-27B, 1M tokens, exact mode, on one H200: the frozen bf16 base, the adapters'
+    training state, one shard's activations and the configured `state_budget_bytes` of K/V + dS
+    fit 141 GB; the state beyond the budget waits in host memory."""
+    projection = _projection()
+    config = read_run_config(str(ONE_GPU_LORA))
+    assert (config.model.dtype, config.engine.prompt_grad) == ("bfloat16", "exact")
+    assert config.parallel.world_size == 1 and config.engine.state_tier == "host"
+    lora = config.model.lora
+    assert lora is not None
+    assert lora.model_dump(include={"r", "lora_alpha", "target_modules"}) == projection.QWEN_LORA
+    facts = projection.qwen35_27b()
+    assert 26e9 < facts.params < 28e9 and facts.state_bytes_per_token == 64 * 1024
+    setup = projection.Setup("Qwen3.5-27B", 2**20, "exact", 1, "H200", "r16")
+    free = projection.project(facts, setup)
+    assert free["tiered"] and free["fits"], free
+    assert config.engine.state_budget_bytes <= free["state_budget_bytes"]
+    row = projection.project(facts, setup, budget=config.engine.state_budget_bytes)
+    assert row["fits"] and row["device_total_bytes"] <= projection.DEVICES["H200"], row
+    # The adapters' whole training state is under 2 GB; every parameter's would be 430 GB.
+    assert row["trainable_state_bytes"] < 2e9 < 16 * facts.params
+    # Detached at 1M holds the whole K/V beside the base.
+    detached = projection.Setup("Qwen3.5-27B", 2**20, "detached", 1, "H200", "r16")
+    resident = projection.project(facts, detached)
+    assert resident["fits"] and not resident["tiered"], resident

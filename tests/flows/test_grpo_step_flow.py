@@ -26,8 +26,8 @@ def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
 
     from longstraw.flows.grpo_step import grpo_step
     from longstraw.models.checkpoint import read_checkpoint_metadata
-    from longstraw.orchestration.stages import open_run
     from longstraw.storage.checkpoints import latest_checkpoint
+    from longstraw.tasks.stages import open_run
     from longstraw.training import held
 
     config = tiny_run_config(runs_root, "grpo-step-flow", num_steps=2)

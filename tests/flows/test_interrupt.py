@@ -17,7 +17,7 @@ import psutil
 import pytest
 from flow_helpers import NUM_GENERATIONS, final_weights_digest, tiny_run_config, write_run_yaml
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.prefect, pytest.mark.slow]
 
 FLOWS_DIR = Path(__file__).parent
 REPO = FLOWS_DIR.parents[1]

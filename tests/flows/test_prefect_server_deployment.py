@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from flow_helpers import NUM_SHARDS, artifacts_of, state_names, task_runs_of, tiny_run_dict
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.prefect, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.prefect
 def test_concurrent_duplicate_shard_task_runs_compute_the_shard_once(prefect_harness, runs_root):
     from prefect import flow
 
-    from longstraw.orchestration.stages import open_run, plan_step, prefill_shard
+    from longstraw.tasks.stages import open_run, plan_step, prefill_shard
     from longstraw.training import held
 
     config = tiny_run_config(runs_root, "duplicate-prefill", num_steps=1)

@@ -25,7 +25,7 @@ from flow_helpers import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.prefect, pytest.mark.slow]
 
 
 def _train(config, *, resume: bool):

@@ -8,8 +8,10 @@ import logging
 
 import pytest
 
+from longstraw.flows.console import HideUserErrors, hide_user_errors_on_console
 from longstraw.grpo.rewards import RewardError
-from longstraw.orchestration.console import HideUserErrors, hide_user_errors_on_console
+
+pytestmark = pytest.mark.processes
 
 
 def _console_handlers():

@@ -12,6 +12,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from longstraw.ops.blockwise_backward import (
     GatedMlp,
+    LowRank,
     OutputProjection,
     gated_delta_rule_recomputed_in_blocks,
     rows_recomputed_in_blocks,
@@ -119,6 +120,70 @@ def test_gated_mlp_by_hand_skips_frozen_weights_and_input():
     grads = torch.autograd.grad(out, trainable, torch.ones_like(out))
     expected = torch.autograd.grad(mlp(x), trainable, torch.ones_like(out))
     _assert_grads_close(grads, expected, "gated mlp, up frozen, x without grad")
+
+
+def _adapted_gated_mlp(dtype, adapted: tuple[bool, bool, bool], frozen_base: bool):
+    """A gated MLP whose projections carry LoRA-style adapters (output += s (x Aᵀ) Bᵀ) where
+    `adapted` says, as `GatedMlp` parts and the module computing it, with its trainable
+    parameters."""
+    parts, mlp = _gated_mlp(dtype)
+    generator = torch.Generator().manual_seed(1)
+    low_rank, factors = [], []
+    for on, linear, scale in zip(
+        adapted, (mlp.gate, mlp.up, mlp.down), (2.0, 0.5, 4.0), strict=True
+    ):
+        if not on:
+            low_rank.append(None)
+            factors.append(None)
+            continue
+        a = torch.nn.Parameter(torch.randn(3, linear.in_features, generator=generator, dtype=dtype))
+        b = torch.nn.Parameter(
+            torch.randn(linear.out_features, 3, generator=generator, dtype=dtype)
+        )
+        low_rank.append(LowRank(a, b, scale))
+        factors.append((a, b, scale))
+    if frozen_base:
+        for linear in (mlp.gate, mlp.up, mlp.down):
+            linear.weight.requires_grad_(False)
+
+    def project(linear, parts, x):
+        out = linear(x)
+        if parts is not None:
+            a, b, scale = parts
+            out = out + (x @ a.T) @ b.T * scale
+        return out
+
+    def fn(x):
+        gate = project(mlp.gate, factors[0], x)
+        up = project(mlp.up, factors[1], x)
+        return project(mlp.down, factors[2], torch.nn.functional.silu(gate) * up)
+
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    params += [t for f in factors if f is not None for t in f[:2]]
+    split = GatedMlp(parts.gate, parts.up, parts.down, low_rank=tuple(low_rank))
+    return split, fn, params
+
+
+@pytest.mark.parametrize(
+    "adapted", [(True, True, True), (True, False, False), (False, False, True)]
+)
+@pytest.mark.parametrize("frozen_base", [True, False])
+def test_gated_mlp_with_low_rank_adapters_by_hand_matches_float64_autograd(adapted, frozen_base):
+    """LoRA adapters on any of the three projections, taken by hand with the MLP (the sweep's
+    path for peft's `lora.Linear`): every adapter's, weight's and the input's gradient is
+    autograd's, to float64 rounding in float64 and fp32 reordering in fp32."""
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, GRAD_RTOL)):
+        split, fn, params = _adapted_gated_mlp(dtype, adapted, frozen_base)
+        x = torch.randn(2, 41, 16, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(2, 41, 16, dtype=dtype)
+        expected_out = fn(x)
+        expected = torch.autograd.grad(expected_out, [x, *params], grad_out)
+        out = rows_recomputed_in_blocks(fn, x, params, block_tokens=9, split=split)
+        assert torch.equal(out, expected_out.detach())
+        actual = torch.autograd.grad(out, [x, *params], grad_out)
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            rel = ((a - e).abs().max() / e.abs().max()).item()
+            assert rel <= rtol, f"{dtype} {adapted} frozen={frozen_base} grad {i}: {rel:.3e}"
 
 
 def test_rows_recomputed_in_blocks_keeps_only_the_input_for_backward():

@@ -4,8 +4,7 @@ kernels — run on the CPU with the GPU packages faked by pure-torch stand-ins i
 
 The stand-ins follow the packages' documented contracts (flash-attn's `flash_attn_func(...,
 return_attn_probs=True)` -> (out [B, S, H, D], lse [B, H, S] fp32, padded here to 128 rows as some
-releases do); fla's `chunk_gated_delta_rule`; causal-conv1d's `causal_conv1d_fn(initial_states=)`),
-so these tests check LongStraw's side of each call, not the kernels themselves.
+releases do); fla's `chunk_gated_delta_rule`), so these tests check LongStraw's side of each call, not the kernels themselves.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from longstraw.ops import dispatch
 from longstraw.ops.blockwise_backward import gated_delta_rule_recomputed_in_blocks
-from longstraw.ops.causal_conv import causal_conv1d_with_state
 from longstraw.ops.decode_attention import decode_attention, naive_decode_attention
 from longstraw.ops.gated_delta_rule import chunked_gated_delta_rule, naive_gated_delta_rule
 from longstraw.ops.partial_attention import flash_prefix_partial, naive_partial
@@ -143,29 +140,10 @@ def test_fla_recompute_needs_cuda_half_precision_the_package_and_the_opt_in(
     assert dispatch.delta_rule_recompute_kernel(CUDA, torch.bfloat16) == dispatch.TORCH
 
 
-@pytest.mark.parametrize(
-    ("device", "kernel_size", "activation", "needs_grad", "want"),
-    [
-        (CUDA, 4, "silu", False, dispatch.CAUSAL_CONV1D),
-        (CUDA, 2, None, False, dispatch.CAUSAL_CONV1D),
-        (CUDA, 5, "silu", False, dispatch.TORCH),  # not a compiled width
-        (CUDA, 4, "silu", True, dispatch.TORCH),  # autograd: the conv-state cotangent
-        (CPU, 4, "silu", False, dispatch.TORCH),
-    ],
-)
-def test_causal_conv_choice(device, kernel_size, activation, needs_grad, want, fake_package):
-    fake_package("causal_conv1d", causal_conv1d_fn=lambda *a, **k: None)
-    assert dispatch.causal_conv_kernel(device, kernel_size, activation, needs_grad) == want
-
-
-def test_causal_conv_falls_back_without_the_package():
-    assert dispatch.causal_conv_kernel(CUDA, 4, "silu", False) == dispatch.TORCH
-
-
 # --- the call sites' glue around a GPU kernel, faked on the CPU ---------------------------------
 
 
-def _force(monkeypatch, attention=None, recompute=None, conv=None):
+def _force(monkeypatch, attention=None, recompute=None):
     """Make the dispatch answer as it would on a GPU with the package installed."""
     if attention is not None:
         real = dispatch.attention_kernel
@@ -178,8 +156,6 @@ def _force(monkeypatch, attention=None, recompute=None, conv=None):
         monkeypatch.setattr(dispatch, "attention_kernel", kernel)
     if recompute is not None:
         monkeypatch.setattr(dispatch, "delta_rule_recompute_kernel", lambda *a: recompute)
-    if conv is not None:
-        monkeypatch.setattr(dispatch, "causal_conv_kernel", lambda *a: conv)
 
 
 def _prefix_inputs(batch=2, heads=4, kv_heads=2, rows=7, keys=70, dim=16, dtype=torch.bfloat16):
@@ -324,36 +300,6 @@ def test_blockwise_recompute_runs_fla_when_chosen_and_torch_otherwise(fake_packa
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
-def fake_causal_conv1d_fn(x, weight, bias=None, initial_states=None, activation=None):
-    """causal-conv1d's contract: x [B, C, T] channel-last when initial states are given."""
-    if initial_states is not None:
-        assert x.stride(1) == 1 and initial_states.stride(1) == 1, "channel-last layout"
-        x = torch.cat([initial_states, x], dim=-1)
-    y = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[1] - 1, groups=x.shape[1])
-    y = y[..., : x.shape[-1]][..., -(x.shape[-1] - (0 if initial_states is None else 3)) :]
-    return F.silu(y) if activation in ("silu", "swish") else y
-
-
-def test_causal_conv_with_the_kernel_matches_the_torch_path(fake_package, monkeypatch):
-    fake_package("causal_conv1d", causal_conv1d_fn=fake_causal_conv1d_fn)
-    gen = torch.Generator().manual_seed(SEED)
-    x = torch.randn(2, 12, 30, generator=gen)
-    weight, bias = torch.randn(12, 4, generator=gen), torch.randn(12, generator=gen)
-    state = torch.randn(2, 12, 4, generator=gen)
-    with torch.no_grad():
-        for conv_state in (state, None):
-            want_y, want_state = causal_conv1d_with_state(x, weight, bias, conv_state, "silu")
-            assert dispatch.kernels_ran() == {"linear_attention.conv": dispatch.TORCH}
-            _force(monkeypatch, conv=dispatch.CAUSAL_CONV1D)
-            got_y, got_state = causal_conv1d_with_state(x, weight, bias, conv_state, "silu")
-            assert "causal-conv1d" in dispatch.kernels_ran()["linear_attention.conv"]
-            assert torch.equal(got_state, want_state)
-            torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
-            monkeypatch.undo()
-            fake_package("causal_conv1d", causal_conv1d_fn=fake_causal_conv1d_fn)
-            dispatch.reset_log()
-
-
 # --- the log -------------------------------------------------------------------------------------
 
 
@@ -362,16 +308,16 @@ def test_each_site_logs_its_kernel_once(caplog):
         for _ in range(3):
             dispatch.ran("full_attention.prefix", dispatch.ATEN_CPU_FLASH)
         dispatch.ran("full_attention.prefix", dispatch.TORCH)
-        dispatch.ran("linear_attention.conv", dispatch.TORCH)
+        dispatch.ran("linear_attention.recompute", dispatch.TORCH)
     lines = [r.getMessage() for r in caplog.records if r.name == "longstraw.kernels"]
     assert lines == [
         "kernel for full_attention.prefix: aten-cpu-flash",
         "kernel for full_attention.prefix: torch",
-        "kernel for linear_attention.conv: torch",
+        "kernel for linear_attention.recompute: torch",
     ]
     assert dispatch.kernels_ran() == {
         "full_attention.prefix": "aten-cpu-flash, torch",
-        "linear_attention.conv": "torch",
+        "linear_attention.recompute": "torch",
     }
     dispatch.reset_log()
     assert dispatch.kernels_ran() == {}

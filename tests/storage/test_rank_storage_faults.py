@@ -27,6 +27,8 @@ from fault_runs import (
 )
 from helpers import BUCKET, assert_bitwise_equal
 
+pytestmark = pytest.mark.processes
+
 # Faults under one rank only, every process importing this sitecustomize (the test's directory
 # is first on PYTHONPATH):
 # - FAULT=full-on-rank:R / read-only-on-rank:R: the write of rank R's optimizer rows into step 1's

@@ -15,6 +15,8 @@ from helpers import assert_bitwise_equal, make_layout, make_state, run_prefill
 from longstraw.schemas.storage import StateKey, StorageConfig
 from longstraw.storage import StateNotCommittedError, open_committed_state, open_state_writer
 
+pytestmark = pytest.mark.processes
+
 CHILD = Path(__file__).parent / "_writer_child.py"
 
 

@@ -172,11 +172,11 @@ def test_s3_error_answers_are_the_endpoints_or_the_credentials_fault_not_the_vol
     """s3fs turns an S3 error answer into an OSError (503 SlowDown -> EBUSY, 500 -> EREMOTEIO,
     an unknown code -> EIO, AccessDenied -> PermissionError without an errno). Said as the
     endpoint's or the credentials' fault, never as a local device's, and a StorageFault, which
-    Prefect's task retries leave alone (`orchestration.policies.retry_on_transient`)."""
+    Prefect's task retries leave alone (`tasks.policies.retry_on_transient`)."""
     from botocore.exceptions import ClientError, EndpointConnectionError
     from s3fs.errors import translate_boto_error
 
-    from longstraw.orchestration.policies import retry_on_transient
+    from longstraw.tasks.policies import retry_on_transient
 
     root = f"s3://{BUCKET}/p"
     # AWS itself: no endpoint setting to name.
@@ -260,6 +260,7 @@ def test_a_lease_that_cannot_be_removed_is_said_with_how_to_remove_it(tmp_path, 
 # --- through `longstraw train` ----------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
     tmp_path, tmpfs, checkpoint_dir, one_process_final
 ):
@@ -284,6 +285,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
     assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
 
+@pytest.mark.processes
 @pytest.mark.prefect
 @pytest.mark.slow
 def test_a_full_disk_under_the_embedded_prefect_server_is_said_once(
@@ -303,6 +305,7 @@ def test_a_full_disk_under_the_embedded_prefect_server_is_said_once(
     assert not (disk / ".longstraw" / "runs" / "faulty" / "RUN.lock").exists()
 
 
+@pytest.mark.processes
 def test_a_root_that_turns_read_only_names_its_lease(
     tmp_path, tmpfs, checkpoint_dir, one_process_final
 ):
@@ -337,6 +340,7 @@ def s3_proxy(s3_env, tmp_path):
     proxy.close()
 
 
+@pytest.mark.processes
 @pytest.mark.s3
 @pytest.mark.parametrize(
     ("mode", "said"),
@@ -384,6 +388,7 @@ def test_an_s3_endpoint_that_goes_away_or_freezes_mid_run(
     assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000003"), final)
 
 
+@pytest.mark.processes
 def test_a_corrupted_prompt_state_chunk_is_named_with_its_removal(tmp_path, checkpoint_dir):
     from longstraw.training.loop import train
 

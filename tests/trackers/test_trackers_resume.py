@@ -27,6 +27,8 @@ from longstraw.trackers.wandb_files import history
 from longstraw.training.metrics import read_metrics
 from tests.training.helpers import run_config
 
+pytestmark = pytest.mark.processes
+
 pytest.importorskip("tensorboard", reason="pip install 'longstraw[trackers]'")
 pytest.importorskip("mlflow", reason="pip install 'longstraw[trackers]'")
 pytest.importorskip("wandb", reason="pip install 'longstraw[trackers]'")

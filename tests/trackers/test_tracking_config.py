@@ -190,6 +190,7 @@ run.finish()
 """
 
 
+@pytest.mark.processes
 def test_wandb_run_file_reader_reads_records_that_span_blocks(tmp_path):
     pytest.importorskip("wandb", reason="pip install 'longstraw[trackers]'")
     from longstraw.trackers.wandb_files import history, run_files

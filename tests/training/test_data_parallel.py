@@ -32,7 +32,7 @@ from tests.training.test_world_size import (
     _train,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = 4

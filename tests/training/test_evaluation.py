@@ -194,3 +194,51 @@ def test_the_preflight_checks_the_held_out_prompts_naming_eval_data(tmp_path, ch
     ), error.value.one_line()
     with pytest.raises(UserError, match=r"^eval.data.rewards: .*no_such_module"):
         preflight(held_out(path=str(bad), rewards=["no_such_module:fn"]), resume=False)
+
+
+def test_longstraw_eval_of_a_run_checkpoint_gives_the_numbers_the_run_recorded(
+    tmp_path, checkpoint_dir
+):
+    """`longstraw eval --checkpoint` on the checkpoint a step wrote answers the held-out prompts
+    as the run did after that step, sampled with the same draws; without it, the run's starting
+    model, at policy version 0."""
+    from typer.testing import CliRunner
+
+    from longstraw.cli import app
+    from longstraw.schemas.results import EvalMetrics
+
+    # Sampled: the checkpoint's evaluation must also draw what the run drew after its step.
+    config = _config(
+        tmp_path / "root", checkpoint_dir("qwen3_5"), 1, do_sample=True, num_generations=2
+    )
+    outcome = train(config)
+    (row,) = read_metrics(outcome.run_path)
+    assert len({x for g in row.eval.rewards for x in g}) > 1, "rewards all equal: vacuous"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    runner = CliRunner()
+    trained = outcome.run_path / "checkpoints" / "v000001"
+    args = ["eval", "--config", str(path), "--checkpoint", str(trained)]
+    done = runner.invoke(app, [*args, "--out", str(tmp_path / "v1.json")])
+    assert done.exit_code == 0, done.output
+    assert "3 prompts" in done.output, done.output
+    assert EvalMetrics.model_validate_json((tmp_path / "v1.json").read_text()) == row.eval
+
+    done = runner.invoke(app, ["eval", "--config", str(path), "--out", str(tmp_path / "v0.json")])
+    assert done.exit_code == 0, done.output
+    start = EvalMetrics.model_validate_json((tmp_path / "v0.json").read_text())
+    assert start.policy_version == 0 and start.num_completions == 6
+
+
+def test_longstraw_eval_without_an_eval_section_says_what_to_add(tmp_path, checkpoint_dir):
+    from typer.testing import CliRunner
+
+    from longstraw.cli import app
+
+    raw = _config(tmp_path / "root", checkpoint_dir("qwen3_5"), 1).model_dump(mode="json")
+    raw["train"]["eval_steps"], raw["eval"] = None, None
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = CliRunner().invoke(app, ["eval", "--config", str(path)])
+    assert done.exit_code == 2
+    assert f"error: {path} has no eval section — add eval:" in done.output, done.output

@@ -90,6 +90,7 @@ def test_reward_specs_import_and_take_prompt_response_metadata(tmp_path, monkeyp
         score_group(["my_rewards:boom"], None, "p", ["r0", "r1"])
 
 
+@pytest.mark.processes
 def test_a_reward_module_beside_the_config_file_imports_from_any_directory(
     tmp_path, checkpoint_dir
 ):
@@ -181,6 +182,7 @@ def test_jsonl_data_path_must_exist(tmp_path):
     _fails(_config(tmp_path, data=data), "data.path .*missing.jsonl does not exist")
 
 
+@pytest.mark.processes
 def test_cli_prints_one_line_and_exits_2_and_debug_shows_the_traceback(tmp_path):
     config = _config(tmp_path / "root", model={"checkpoint": str(tmp_path / "no-model")})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
@@ -324,6 +326,7 @@ def _small_tmpfs(path: Path, size: str) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.processes
 def test_a_root_without_room_for_one_step_is_refused_naming_the_sizes(tmp_path):
     from longstraw.training.preflight import check_prompts, step_write_bytes
 

@@ -51,6 +51,7 @@ def test_a_raising_reward_is_named_and_keeps_its_exception_as_the_cause():
     assert error.value.__cause__.__traceback__.tb_next.tb_frame.f_code.co_name == "boom"
 
 
+@pytest.mark.processes
 def test_train_ends_in_one_error_line_when_a_reward_returns_nan(tmp_path, checkpoint_dir):
     (tmp_path / "nan_reward.py").write_text(
         textwrap.dedent(

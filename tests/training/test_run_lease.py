@@ -46,6 +46,7 @@ def _config(root: Path) -> RunConfig:
     return RunConfig.model_validate({"run_id": "leased", "storage": {"root_uri": str(root)}})
 
 
+@pytest.mark.processes
 def test_second_writer_refused_then_dead_holders_lease_taken_over(tmp_path):
     root = tmp_path / "root"
     holder = subprocess.Popen(

@@ -94,6 +94,7 @@ def _written(value) -> list[str]:
     return []
 
 
+@pytest.mark.processes
 def test_every_stage_rerun_in_a_fresh_process_gives_the_same_refs_and_bytes(step_calls, tmp_path):
     config, calls, files, kept_checkpoint, checkpoint_dir = step_calls
     payload = [

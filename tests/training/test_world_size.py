@@ -30,7 +30,7 @@ from longstraw.training.loop import train
 from longstraw.training.metrics import read_metrics
 from tests.training.helpers import run_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 2

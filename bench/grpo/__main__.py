@@ -1,0 +1,3 @@
+from bench.grpo.commands import bench_app
+
+bench_app()

@@ -1,3 +1,0 @@
-from longstraw.bench.commands import bench_app
-
-bench_app()
