@@ -333,7 +333,13 @@ class SweepKey(_Frozen):
     """Digest of the `engine` settings that change the numbers (prompt gradient, shard size,
     segments, shared prefixes)."""
     model: str
-    """Digest of the `model` section (dtype, adapters)."""
+    """Digest of the `model` section (dtype, LoRA's settings: which parameters train, so what
+    the gradient accumulators hold)."""
+    adapters: str | None = None
+    """A LoRA run's adapters where `weights_digest` does not name them: "drawn from train.seed
+    N" while the policy descends from the run's start (whose digest is the frozen base's, the
+    adapters' initial values drawn from the seed). None: every parameter trains, or the
+    adapters come from a checkpoint whose digest covers them."""
     placement: str
     """The ranks the backward ran on, e.g. "2 sequence ranks" (a checkpoint holds each rank's
     part)."""

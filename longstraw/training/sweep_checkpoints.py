@@ -89,8 +89,17 @@ def sweep_key(
             ]
         ),
         model=digest_json(config.model.model_dump(mode="json")),
+        adapters=adapter_origin(config, policy),
         placement=placement(parallel.sequence_ranks, parallel.data_parallel),
     )
+
+
+def adapter_origin(config: RunConfig, policy: PolicyRef) -> str | None:
+    """What names a LoRA policy's adapters besides its weights digest (`SweepKey.adapters`): the
+    seed they were drawn from, while the policy descends from the run's start."""
+    if config.model.lora is None or not policy.checkpoint_is_run_start:
+        return None
+    return f"drawn from train.seed {config.train.seed}"
 
 
 def placement(sequence_ranks: int, data_parallel: int) -> str:

@@ -18,8 +18,9 @@ from engine_helpers import random_group, vocab_of
 
 from longstraw.engine.group import group_gradient, group_inputs
 from longstraw.engine.prefill import prefill
+from longstraw.models.lora import with_lora
 from longstraw.schemas.grpo import GRPOConfig
-from longstraw.schemas.run import EngineConfig
+from longstraw.schemas.run import EngineConfig, LoraConfig
 
 SHARD_TOKENS = 23
 PROMPT = 100
@@ -108,11 +109,15 @@ swept, the checkpoint cadence, the latest checkpoint before the stop)."""
 @pytest.mark.parametrize(
     ("family", "budget", "stops"),
     [
-        ("qwen3_5", None, list(STOPS)),
+        ("qwen3_5", None, ["between-two"]),
+        # Two more interrupted and resumed sweeps (~25 s on 2 busy cores): slow.
+        pytest.param(
+            "qwen3_5", None, ["before-the-first", "after-the-last"], marks=pytest.mark.slow
+        ),
         ("qwen3_5", 0, ["between-two"]),
         ("glm_moe_dsa", None, ["between-two"]),
     ],
-    ids=["hybrid", "hybrid-tiered", "glm"],
+    ids=["hybrid", "hybrid-first-and-last", "hybrid-tiered", "glm"],
 )
 def test_a_sweep_resumed_from_its_checkpoint_is_the_uninterrupted_sweep(
     tiny_model, family, budget, stops
@@ -172,3 +177,38 @@ def test_a_checkpoint_that_does_not_read_back_starts_the_sweep_over(tiny_model):
     got, stats = _group(model, engine, prompt_ids, checkpoints, state)
     _same_bits(got, want)
     assert (stats.sweep_shards_computed, stats.sweep_shards_resumed) == (state.num_shards, 0)
+
+
+def test_a_lora_sweep_keeps_the_adapters_gradient_only_and_resumes_bitwise(load_tiny):
+    """A LoRA policy (peft's model, rank-4 adapters on every linear layer, both factors random
+    so every A and B has a gradient): the checkpoint's gradient is the adapters' and nothing
+    else — the frozen base accumulates none — and the sweep resumed from it is the
+    uninterrupted one, bit for bit."""
+    settings = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = with_lora(load_tiny("qwen3_5"), settings, seed=7)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    engine = EngineConfig(shard_tokens=SHARD_TOKENS)
+    prompt_ids, _, _ = random_group(PROMPT, (1,), vocab_of(model))
+    state = prefill(model, prompt_ids, shard_tokens=SHARD_TOKENS)
+    want, want_stats = _group(model, engine, prompt_ids, state=state)
+    assert set(want) == adapters and all(g.abs().sum() > 0 for g in want.values())
+    checkpoints = MemoryCheckpoints(every=2, stop_after=3)
+    with pytest.raises(Interrupted):
+        _group(model, engine, prompt_ids, checkpoints, state)
+    (swept,) = checkpoints.saved
+    tensors, _ = checkpoints.saved[swept]
+    kept = {
+        name.removeprefix("grad/"): t for name, t in tensors.items() if name.startswith("grad/")
+    }
+    assert set(kept) == adapters, "a checkpoint keeps the trainable parameters' gradient only"
+    assert {n: t.numel() for n, t in kept.items()} == {n: g.numel() for n, g in want.items()}
+    checkpoints.stop_after = None
+    got, stats = _group(model, engine, prompt_ids, checkpoints, state)
+    _same_bits(got, want)
+    for field in _ALGORITHM:
+        assert getattr(stats, field) == getattr(want_stats, field), field
+    assert (stats.sweep_shards_computed, stats.sweep_shards_resumed) == (
+        state.num_shards - swept,
+        swept,
+    )

@@ -30,7 +30,7 @@ from longstraw.training.loop import train
 from tests.training.helpers import MACHINE_FIELDS
 from tests.training.test_sweep_resume import NUM_SHARDS, WORK_COUNTS, _config, _final, _same_bits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 REPO = Path(__file__).resolve().parents[2]
 

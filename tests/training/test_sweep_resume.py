@@ -9,6 +9,9 @@ resume at another point: before the first checkpoint, while a checkpoint is writ
 written, no marker), between two checkpoints, and after the last. Killed with SIGKILL, on ranks
 and replicas: tests/training/test_sweep_kill.py.
 
+A LoRA run's checkpoint holds the adapters' gradient and nothing else, and its key names the
+seed the adapters were drawn from; killed between two checkpoints it resumes bitwise too.
+
 Legend: the tiny qwen3_5 hybrid, a 64-token prompt (63 state tokens in 5 shards of 13), exact
 prompt gradient, G = 3, two groups, one step; a sweep checkpoint after every swept shard.
 """
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import longstraw.training.stages as stages_module
+from longstraw.schemas.run import RunConfig
 from longstraw.storage.checkpoints import latest_checkpoint
 from longstraw.storage.gc import list_sweeps
 from longstraw.storage.sweep_checkpoints import SweepCheckpointStore
@@ -157,3 +161,60 @@ def test_a_sweep_killed_anywhere_resumes_inside_itself_and_ends_on_the_uninterru
         assert not differ, differ
     # Its result recorded, the backward's sweep checkpoints are gone.
     assert list_sweeps(config.storage.root_uri) == []
+
+
+LORA = {"r": 4, "lora_alpha": 8, "init_lora_weights": False}
+"""Rank-4 adapters on every linear layer, B random too: every A and B has a gradient."""
+
+
+def _lora_config(root, checkpoint, run_id: str) -> RunConfig:
+    raw = _config(root, checkpoint, run_id).model_dump(mode="json")
+    raw["model"]["lora"] = LORA
+    return RunConfig.model_validate(raw)
+
+
+def test_a_lora_run_killed_inside_the_sweep_resumes_on_its_adapters_bitwise(
+    tmp_path, checkpoint_dir, monkeypatch
+):
+    checkpoint = checkpoint_dir("qwen3_5")
+    whole = _lora_config(tmp_path, checkpoint, "lora-whole")
+    outcome = train(whole)
+    (want_metrics,) = outcome.history
+    assert want_metrics.grad_norm > 0, "no gradient: bitwise equality would be vacuous"
+    adapters = {n for n, p in outcome.context().model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    want, want_rows = _final(whole)
+
+    config = _lora_config(tmp_path, checkpoint, "lora-killed")
+    committed = []
+    commit = SweepCheckpointStore.commit
+
+    def recording_commit(self, *args, **kwargs):
+        committed.append(commit(self, *args, **kwargs))
+        return committed[-1]
+
+    _killing(monkeypatch, "progress", 4)  # between checkpoints 3 and 4 of group 0
+    monkeypatch.setattr(SweepCheckpointStore, "commit", recording_commit)
+    with pytest.raises(Killed):
+        train(config)
+    monkeypatch.undo()
+    held.forget_run(config.run_id)
+    manifest = committed[-1]
+    assert (manifest.key.group, manifest.swept) == (0, 3)
+    assert manifest.key.adapters == "drawn from train.seed 42"
+    (part,) = manifest.parts
+    grads = {e.name.removeprefix("grad/") for e in part.tensors if e.name.startswith("grad/")}
+    assert grads == adapters, "the frozen base has no gradient to keep"
+    assert [s.committed for s in list_sweeps(config.storage.root_uri)] == [[3]]
+
+    (metrics,) = train(config, resume=True).history
+    assert (metrics.sweep_shards_computed, metrics.sweep_shards_resumed) == (
+        2 * NUM_SHARDS - 3,
+        3,
+    )
+    got, got_rows = _final(config)
+    _same_bits(got, want)
+    skip = MACHINE_FIELDS | WORK_COUNTS
+    assert [r.model_dump(exclude=skip) for r in got_rows] == [
+        r.model_dump(exclude=skip) for r in want_rows
+    ]
