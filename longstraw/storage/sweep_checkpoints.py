@@ -32,7 +32,6 @@ from typing import Protocol
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BytesCodec
 
 import longstraw
 from longstraw.schemas.storage import (
@@ -54,7 +53,7 @@ from longstraw.storage.chunks import (
 from longstraw.storage.codec import chunk_key, sha256_hex
 from longstraw.storage.errors import StateIntegrityError
 from longstraw.storage.exclusive import create_exclusive
-from longstraw.storage.layout_io import consolidated, zarr_store
+from longstraw.storage.layout_io import RAW_CHUNKS, consolidated, zarr_store
 from longstraw.storage.paths import (
     attempt_dir_name,
     filesystem,
@@ -281,12 +280,7 @@ def _create_flat_array(zarr_uri: str, size: int, chunk: int, config: StorageConf
         shape=(size,),
         chunks=(chunk,),
         dtype="float32",
-        fill_value=0,
-        compressors=None,
-        filters=None,
-        serializer=BytesCodec(endian="little"),
-        chunk_key_encoding={"name": "default", "separator": "/"},
-        config={"write_empty_chunks": True},
+        **RAW_CHUNKS,
     )
     consolidated(store)
 

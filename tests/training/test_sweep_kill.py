@@ -27,8 +27,13 @@ from longstraw.distributed.stage_group import start_stage_group, stop_stage_grou
 from longstraw.storage.gc import list_sweeps
 from longstraw.training import held, progress
 from longstraw.training.loop import train
-from tests.training.helpers import MACHINE_FIELDS
-from tests.training.test_sweep_resume import NUM_SHARDS, WORK_COUNTS, _config, _final, _same_bits
+from tests.training.test_sweep_resume import (
+    NUM_SHARDS,
+    _config,
+    _final,
+    _same_bits,
+    same_metrics,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -150,12 +155,5 @@ def test_ranks_killed_inside_the_sweep_resume_it_and_end_on_the_uninterrupted_ru
     want, want_metrics = _final(whole)
     assert any(name.startswith("optimizer-rank3") for name in want), sorted(want)[:5]
     _same_bits(got, want)
-    skip = MACHINE_FIELDS | WORK_COUNTS | {"replica_sum_bytes"}
-    for got_row, want_row in zip(got_metrics, want_metrics, strict=True):
-        got_fields, want_fields = (
-            got_row.model_dump(exclude=skip),
-            want_row.model_dump(exclude=skip),
-        )
-        differ = {k: (got_fields[k], v) for k, v in want_fields.items() if got_fields[k] != v}
-        assert not differ, differ
+    same_metrics(got_metrics, want_metrics, skip=frozenset({"replica_sum_bytes"}))
     assert list_sweeps(killed.storage.root_uri) == []

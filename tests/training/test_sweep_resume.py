@@ -86,6 +86,19 @@ def uninterrupted(tmp_path_factory, checkpoint_dir):
     return _final(config)
 
 
+def same_metrics(got: list, want: list, skip: frozenset = frozenset()) -> None:
+    """Every metrics row of a resumed run equals the uninterrupted run's, but for the machine's
+    figures, the work counts a resume changes by design, and `skip`."""
+    leave_out = MACHINE_FIELDS | WORK_COUNTS | skip
+    for got_row, want_row in zip(got, want, strict=True):
+        got_fields, want_fields = (
+            got_row.model_dump(exclude=leave_out),
+            want_row.model_dump(exclude=leave_out),
+        )
+        differ = {k: (got_fields[k], v) for k, v in want_fields.items() if got_fields[k] != v}
+        assert not differ, differ
+
+
 def _killing(monkeypatch, at: str, swept: int) -> None:
     """Raise `Killed` in group 0's backward: at "progress" once `swept` shards are swept (after
     the checkpoint due at the previous one), at "commit" when checkpoint `swept`'s marker would
@@ -151,14 +164,7 @@ def test_a_sweep_killed_anywhere_resumes_inside_itself_and_ends_on_the_uninterru
     assert (metrics.shards_computed, metrics.shards_reused) == (0, 2 * NUM_SHARDS)
     got, got_metrics = _final(config)
     _same_bits(got, want)
-    skip = MACHINE_FIELDS | WORK_COUNTS
-    for got_row, want_row in zip(got_metrics, want_metrics, strict=True):
-        got_fields, want_fields = (
-            got_row.model_dump(exclude=skip),
-            want_row.model_dump(exclude=skip),
-        )
-        differ = {k: (got_fields[k], v) for k, v in want_fields.items() if got_fields[k] != v}
-        assert not differ, differ
+    same_metrics(got_metrics, want_metrics)
     # Its result recorded, the backward's sweep checkpoints are gone.
     assert list_sweeps(config.storage.root_uri) == []
 
@@ -214,7 +220,4 @@ def test_a_lora_run_killed_inside_the_sweep_resumes_on_its_adapters_bitwise(
     )
     got, got_rows = _final(config)
     _same_bits(got, want)
-    skip = MACHINE_FIELDS | WORK_COUNTS
-    assert [r.model_dump(exclude=skip) for r in got_rows] == [
-        r.model_dump(exclude=skip) for r in want_rows
-    ]
+    same_metrics(got_rows, want_rows)
