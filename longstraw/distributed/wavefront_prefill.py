@@ -60,17 +60,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
-from longstraw.distributed.cross_rank_attention import (
-    COMM,
-    CrossRankAttentionLayer,
-    partial_chunk_tokens,
-)
+from longstraw.distributed.cross_rank_attention import COMM, partial_chunk_tokens
 from longstraw.distributed.cross_rank_mla import (
     CrossRankMlaLayer,
     attention_modules,
-    cross_rank_mla_installed,
     local_topk_candidates,
     merged_partials,
     pack_index_queries,
@@ -80,15 +75,12 @@ from longstraw.distributed.cross_rank_mla import (
     serve_candidates,
 )
 from longstraw.distributed.exchange import CrossRankExchange
-from longstraw.distributed.layer_placement import owner_prefill_cache
-from longstraw.engine.attention import CACHE_KWARG
+from longstraw.distributed.layer_placement import cross_rank_attention_enabled, owner_prefill_cache
 from longstraw.engine.prefill import prefill_target, prompt_tensor, run_shard_forward
 from longstraw.engine.state import PrefixState, rank_shard_ranges
-from longstraw.models.adapters import decoder_of
-from longstraw.models.glm import is_glm
-from longstraw.ops.partial_attention import causal_partial, merge_partials, prefix_partial
+from longstraw.models.adapters import attention_scales, decoder_of
+from longstraw.ops.prefix_attention import prefix_partial
 
-ATTENTION_NAME = "longstraw_wavefront"
 # Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind). GLM-5's MLA
 # layers: _QUERY carries the absorbed queries, _PARTIAL the latent partials, and a selecting layer
 # adds _INDEX_QUERY (indexer queries) -> _CANDIDATES (local top-k), and _SELECTION.
@@ -117,7 +109,10 @@ class _ShardThread:
     def __init__(self, model: PreTrainedModel, state: PrefixState, shard: int, group):
         self.shard = shard
         # GLM-5's MLA layers exchange through the main thread (pauses), not collectives.
-        cache = owner_prefill_cache(state, shard, group=group, mla_layer_class=_WavefrontMlaLayer)
+        cache = owner_prefill_cache(
+            state, shard, group=group, mla_layer_class=_WavefrontMlaLayer,
+            kv_ranks=_WavefrontKvRanks,
+        )  # fmt: skip
         self._args = (model, state.prompt_ids, cache, *state.bounds[shard])
         self._resume: queue.Queue = queue.Queue(maxsize=1)
         self._report: queue.Queue = queue.Queue(maxsize=1)
@@ -185,47 +180,32 @@ def _pause_before_layer(layer_idx: int):
     return hook
 
 
-def wavefront_attention(
-    module: torch.nn.Module,
-    query_BHRD: Tensor,
-    key_BKRD: Tensor,
-    value_BKRV: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """`_CrossRankAttention`'s owner-mode forward, with the exchange done by the main thread.
+class _WavefrontKvRanks:
+    """A full-attention layer's `PrefixRanks` in the wavefront: the shard thread pauses with its
+    queries, the main thread sends them to the earlier ranks and resumes it with their partials.
+    This rank's own partial over its earlier positions (the op's) and an empty partial per later
+    rank complete them, so the merge sees the same N partials in the same order as
+    `sharded_prefill`'s owner."""
 
-    The partials of earlier ranks arrive through `pause`; this rank's own partial over its
-    earlier positions and the empty partials of later ranks are computed here, so the merge
-    sees the same N + 1 partials in the same order as `sharded_prefill`'s owner.
-    """
-    cache = kwargs.get(CACHE_KWARG)
-    layer = None if cache is None else cache.layers[module.layer_idx]
-    shard_thread = getattr(_current, "shard_thread", None)
-    if not isinstance(layer, CrossRankAttentionLayer) or shard_thread is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} runs only inside wavefront_prefill"
-        )
-    scale = scaling if scaling is not None else query_BHRD.shape[-1] ** -0.5
-    dtype = torch.promote_types(query_BHRD.dtype, torch.float32)
-    q_s = (query_BHRD.to(dtype) * float(scale)).contiguous()
-    earlier: list[tuple[Tensor, Tensor]] = shard_thread.pause("attention", q_s)
-    own = prefix_partial(
-        q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=partial_chunk_tokens()
-    )
-    empty = prefix_partial(
-        q_s, layer.prefix_k_TKD[:0], layer.prefix_v_TKD[:0], chunk_size=partial_chunk_tokens()
-    )
-    world = dist.get_world_size(layer.group)
-    parts = [*earlier, own, *[empty] * (world - len(earlier) - 1)]
-    out_b, lse_b = causal_partial(q_s, key_BKRD, value_BKRV)
-    out_BHRV, _ = merge_partials([p[0] for p in parts] + [out_b], [p[1] for p in parts] + [lse_b])
-    return out_BHRV.to(query_BHRD.dtype).transpose(1, 2).contiguous(), None
+    replicated = False
 
+    def __init__(self, group, owner: int, slot: int):
+        del owner, slot
+        self.world = dist.get_world_size(group)
+        self.earlier: list[tuple[Tensor, Tensor]] = []
 
-AttentionInterface.register(ATTENTION_NAME, wavefront_attention)
+    def queries_ready(self, q_BHRD: Tensor, scale: float) -> None:
+        self.earlier = _current.shard_thread.pause("attention", (q_BHRD.contiguous(), scale))
+
+    def gather(self, out_BHRV: Tensor, lse_BHR: Tensor) -> list[tuple[Tensor, Tensor]]:
+        earlier, self.earlier = self.earlier, []
+        empty = (torch.zeros_like(out_BHRV), torch.full_like(lse_BHR, float("-inf")))
+        return [*earlier, (out_BHRV, lse_BHR), *[empty] * (self.world - len(earlier) - 1)]
+
+    def cotangent_ready(self, *tensors: Tensor) -> None:
+        raise AssertionError("the wavefront prefill keeps no graph")
+
+    reduce = cotangent_ready
 
 
 class _WavefrontMlaLayer(CrossRankMlaLayer):
@@ -268,23 +248,17 @@ class _WavefrontMlaLayer(CrossRankMlaLayer):
 
 @contextlib.contextmanager
 def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
-    """The attention function (GLM-5: the sharded MLA forward) and the per-layer pause hooks,
-    for the duration of the block."""
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    """The ranks' attention and the per-layer pause hooks, for the duration of the block."""
     handles = [
         layer.register_forward_pre_hook(_pause_before_layer(i))
         for i, layer in enumerate(decoder_of(model).layers)
     ]
-    family = cross_rank_mla_installed(model) if is_glm(model) else contextlib.nullcontext()
     try:
-        with family:
+        with cross_rank_attention_enabled(model):
             yield
     finally:
         for handle in handles:
             handle.remove()
-        config._attn_implementation = previous
 
 
 class _Plan:
@@ -304,7 +278,10 @@ class _Plan:
         self.full_slot = {} if fa is None else {i: s for s, i in enumerate(fa.layer_indices)}
         self.linear_slot = {} if la is None else {i: s for s, i in enumerate(la.layer_indices)}
         heads = model.config.get_text_config().num_attention_heads
-        # Queries and partials travel in fp32 (the attention's compute dtype for fp32/bf16).
+        # K/V queries travel in the model's dtype (what the attention receives) with the layer's
+        # own scale; partials in the attention's compute dtype (fp32 for fp32/bf16).
+        self.scales = attention_scales(model)
+        self.query_dtype = model.dtype
         self.query_dims = None if fa is None else (heads, fa.head_dim)
         self.partial_dims = None if fa is None else (heads, fa.value_head_dim + 1)
         self.device = model.device
@@ -357,9 +334,11 @@ class _Plan:
         layer = step - rank
         return layer if 0 <= layer < self.num_layers else None
 
-    def buffer(self, shard: int, dims: tuple[int, int]) -> Tensor:
+    def buffer(
+        self, shard: int, dims: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> Tensor:
         start, end = self.state.bounds[shard]
-        return torch.empty(1, dims[0], end - start, dims[1], device=self.device)
+        return torch.empty(1, dims[0], end - start, dims[1], dtype=dtype, device=self.device)
 
 
 class _Arrivals:
@@ -436,7 +415,7 @@ class _Step:
             if other_layer in plan.full_slot:
                 stream = []
                 for shard in plan.computed[other]:
-                    q = plan.buffer(shard, plan.query_dims)
+                    q = plan.buffer(shard, plan.query_dims, plan.query_dtype)
                     stream.append(((_QUERY, other, shard), self._recv(q, other, shard, _QUERY)))
                     self.requests.append((other, shard, q, None))
                 self.arrivals.watch(stream)
@@ -530,13 +509,16 @@ class _Step:
         "select" packed indexer queries, "mla" packed absorbed queries and the selection)."""
         plan, layer = self.plan, self.layer
         if kind == "attention":
-            expected = plan.buffer(shard, plan.query_dims).shape
-            if payload.shape != expected:
+            q, scale = payload
+            expected = plan.buffer(shard, plan.query_dims, plan.query_dtype)
+            if (q.shape, q.dtype) != (expected.shape, expected.dtype):
                 raise RuntimeError(
-                    f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
-                    "family's attention is not supported by wavefront_prefill; use sharded_prefill"
+                    f"queries of shape {tuple(q.shape)} in {q.dtype}, expected "
+                    f"{tuple(expected.shape)} in {expected.dtype}: this family's attention is not "
+                    "supported by wavefront_prefill; use sharded_prefill"
                 )
-            self.send_queries(shard, payload)
+            assert scale == plan.scales[layer], "the earlier ranks scale by the layer's own scale"
+            self.send_queries(shard, q)
             return
         if kind == "select":
             assert plan.selects(layer, shard), (layer, shard)
@@ -611,8 +593,9 @@ class _Step:
                 continue
             slot = plan.full_slot[layer]
             out, lse = prefix_partial(
-                q, state.keys[slot], state.values[slot], chunk_size=partial_chunk_tokens()
-            )
+                q, state.keys[slot], state.values[slot], scale=plan.scales[layer],
+                chunk_size=partial_chunk_tokens(),
+            )  # fmt: skip
             self._send(
                 torch.cat([out, lse[..., None]], dim=-1).contiguous(), requester, shard, _PARTIAL
             )

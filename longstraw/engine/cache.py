@@ -54,7 +54,13 @@ class BranchBuffer:
 
 
 class PrefixAttentionLayer:
-    """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V."""
+    """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V.
+
+    `ranks` (`longstraw.ops.prefix_attention.PrefixRanks`): the prefix is this rank's part of a
+    prompt split over a sequence group, the rest read through it (None: the whole prefix is
+    here). Decoding (`keep_branch`) and a long branch's earlier segments (`extra_prefix`) run
+    replicated: every rank runs the same forward.
+    """
 
     is_linear = False
     is_sliding = False
@@ -70,7 +76,14 @@ class PrefixAttentionLayer:
         keep_branch: bool = False,
         branch_capacity: int = 0,
         extra_prefix: tuple | None = None,
+        ranks=None,
     ):
+        if ranks is not None and not ranks.replicated and (keep_branch or extra_prefix is not None):
+            raise ValueError(
+                "decoding and a branch's earlier segments run replicated on the ranks: pass "
+                "replicated ranks"
+            )
+        self.ranks = ranks
         self.prefix_k_TKD = prefix_k_TKD
         self.prefix_v_TKD = prefix_v_TKD
         # fp32 cotangent buffers the attention backward adds dK/dV of the prefix into (exact mode).
