@@ -69,13 +69,14 @@ class CommStats:
 COMM = CommStats()
 
 
-def _pack(out_BXRV: Tensor, lse_BXR: Tensor) -> Tensor:
+def pack_partial(out_BXRV: Tensor, lse_BXR: Tensor) -> Tensor:
+    """[..., V + 1]: a partial (out, lse) as it travels between ranks."""
     return torch.cat([out_BXRV, lse_BXR[..., None]], dim=-1).contiguous()
 
 
 def _gather_partials(out_BXRV: Tensor, lse_BXR: Tensor, group) -> list[tuple[Tensor, Tensor]]:
     """Every rank's (out, lse) for the same queries, in rank order."""
-    packed = _pack(out_BXRV, lse_BXR)
+    packed = pack_partial(out_BXRV, lse_BXR)
     parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     COMM.add(packed)
     dist.all_gather(parts, packed, group=group)

@@ -181,6 +181,8 @@ class PrefixMlaLayer:
     Read by `longstraw.models.glm`'s attention forward, which replaces transformers' (that one
     re-expands every cached latent into per-head K/V). `on_update(latent_BSR, rope_BSE,
     index_key_BSD | None)` sees each forward's new state, like `PrefixAttentionLayer.on_update`.
+    `ranks` (`longstraw.ops.mla_attention.LatentRanks`) as `PrefixAttentionLayer`'s: the prefix
+    is this rank's part of a prompt split over a sequence group (None: all of it).
     """
 
     is_linear = False
@@ -197,7 +199,11 @@ class PrefixMlaLayer:
         on_update: Callable[..., None] | None = None,
         keep_branch: bool = False,
         branch_capacity: int = 0,
+        ranks=None,
     ):
+        if ranks is not None and not ranks.replicated and keep_branch:
+            raise ValueError("decoding runs replicated on the ranks: pass replicated ranks")
+        self.ranks = ranks
         self.prefix_latent_TR = prefix_latent_TR
         self.prefix_rope_TE = prefix_rope_TE
         # None on `shared` indexer layers, which reuse the previous layer's selection.

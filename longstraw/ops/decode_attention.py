@@ -37,14 +37,13 @@ from longstraw.ops.prefix_attention import PrefixRanks, _prefix_partial
 _PREFIX_CHUNK = 4096
 
 
-def _flash_applies(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> bool:
-    """A fused kernel (CPU flash, or flash-attn on CUDA) computes the prefix partial
-    (`longstraw.ops.dispatch`)."""
-    kernel = dispatch.attention_kernel(
+def _prefix_kernel(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> str:
+    """The kernel of the prefix partial (`longstraw.ops.dispatch`): a fused one (CPU flash, or
+    flash-attn on CUDA) or LongStraw's bmm per chunk."""
+    return dispatch.attention_kernel(
         q.device, q.dtype, k_prefix_TKD.shape[-1], v_prefix_TKV.shape[-1],
         (k_prefix_TKD.dtype, v_prefix_TKV.dtype),
     )  # fmt: skip
-    return kernel != dispatch.TORCH
 
 
 def _prefix_partial_folded(
@@ -60,9 +59,10 @@ def _prefix_partial_folded(
             q_KMD.new_zeros((*rows, v_prefix_TKV.shape[-1]), dtype=dtype),
             q_KMD.new_full(rows, float("-inf"), dtype=dtype),
         )
-    if _flash_applies(q_KMD, k_prefix_TKD, v_prefix_TKV):
+    kernel = _prefix_kernel(q_KMD, k_prefix_TKD, v_prefix_TKV)
+    if kernel != dispatch.TORCH:
         out, lse = flash_prefix_partial(
-            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size,
+            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size, kernel=kernel,
             site="full_attention.decode",
         )  # fmt: skip
         return out[0], lse[0]

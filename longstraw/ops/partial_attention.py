@@ -32,20 +32,17 @@ def flash_prefix_partial(
     scale: float,
     chunk_size: int,
     *,
+    kernel: str,
     site: str = "full_attention.prefix",
 ) -> tuple[Tensor, Tensor]:
     """(out [B, X, R, V] fp32, lse [B, X, R] fp32) of queries over all T > 0 prefix keys: one
-    fused call per `chunk_size` keys, merged first to last — PyTorch's CPU flash kernel on CPU,
-    flash-attn on CUDA (`longstraw.ops.dispatch.attention_kernel`; the caller checked that one
-    applies). The prefix is anything that slices into [C, K, D] tensors (a tensor, or a streamed
-    state's rows). `site` names the caller in the kernel log."""
+    fused call per `chunk_size` keys, merged first to last — by `kernel`, the fused kernel the
+    caller's `longstraw.ops.dispatch.attention_kernel` chose: PyTorch's CPU flash kernel on
+    CPU, flash-attn on CUDA. The prefix is anything that slices into [C, K, D] tensors (a
+    tensor, or a streamed state's rows). `site` names the caller in the kernel log."""
     batch = q_BXRD.shape[0]
-    kernel = dispatch.attention_kernel(
-        q_BXRD.device, q_BXRD.dtype, k_prefix_TKD.shape[-1], v_prefix_TKD.shape[-1],
-        (k_prefix_TKD.dtype, v_prefix_TKD.dtype),
-    )  # fmt: skip
     on_gpu = kernel == dispatch.FLASH_ATTN
-    dispatch.ran(site, dispatch.FLASH_ATTN if on_gpu else dispatch.ATEN_CPU_FLASH)
+    dispatch.ran(site, kernel)
     out = lse = None
     for start in range(0, k_prefix_TKD.shape[0], chunk_size):
         if on_gpu:

@@ -218,7 +218,7 @@ def _prefix_partial_of_kernel(
     batch, num_heads, branch_len, _ = q_BHRD.shape
     value_dim = v_TKV.shape[-1]
     if k_TKD.shape[0] > 0 and kernel != dispatch.TORCH:
-        return flash_prefix_partial(q_BHRD, k_TKD, v_TKV, scale, chunk_size)
+        return flash_prefix_partial(q_BHRD, k_TKD, v_TKV, scale, chunk_size, kernel=kernel)
     dtype = _compute_dtype(q_BHRD)
     out_BHRV = q_BHRD.new_zeros((batch, num_heads, branch_len, value_dim), dtype=dtype)
     lse_BHR = q_BHRD.new_full((batch, num_heads, branch_len), float("-inf"), dtype=dtype)

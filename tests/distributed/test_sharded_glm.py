@@ -23,9 +23,9 @@ from _workers import (
 import longstraw.distributed.exchange
 import longstraw.engine.group
 import longstraw.models.checkpoint  # noqa: F401
-from longstraw.distributed.cross_rank_mla import global_topk, local_topk_candidates
 from longstraw.distributed.launch import RankFailedError, run_on_ranks
-from longstraw.ops.dsa_topk import naive_stable_topk_mask
+from longstraw.models.glm import local_topk_candidates
+from longstraw.ops.dsa_topk import global_topk, naive_stable_topk_mask
 
 # Every test here launches ranks (`run_on_ranks`).
 pytestmark = pytest.mark.processes
