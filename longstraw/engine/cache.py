@@ -17,6 +17,9 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from longstraw.ops.mla_attention import LatentRanks
+from longstraw.ops.prefix_attention import PrefixRanks
+
 
 class BranchBuffer:
     """Decoding's record of the rows' own state along `dim`: preallocated, appended in place.
@@ -76,7 +79,7 @@ class PrefixAttentionLayer:
         keep_branch: bool = False,
         branch_capacity: int = 0,
         extra_prefix: tuple | None = None,
-        ranks=None,
+        ranks: PrefixRanks | None = None,
     ):
         if ranks is not None and not ranks.replicated and (keep_branch or extra_prefix is not None):
             raise ValueError(
@@ -199,7 +202,7 @@ class PrefixMlaLayer:
         on_update: Callable[..., None] | None = None,
         keep_branch: bool = False,
         branch_capacity: int = 0,
-        ranks=None,
+        ranks: LatentRanks | None = None,
     ):
         if ranks is not None and not ranks.replicated and keep_branch:
             raise ValueError("decoding runs replicated on the ranks: pass replicated ranks")
