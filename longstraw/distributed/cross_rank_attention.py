@@ -92,6 +92,8 @@ def _broadcast(t: Tensor, src: int, group) -> Tensor:
 
 
 def _all_reduce(t: Tensor, group) -> Tensor:
+    # A strided tensor would be reduced in a copy and `t` left as it was (measured with gloo).
+    assert t.is_contiguous(), "all_reduce in place needs a contiguous tensor"
     COMM.add(t)
     dist.all_reduce(t, group=group)
     return t
