@@ -14,7 +14,9 @@ Static figures, read from the source with `ast` (nothing of the package is run):
   imports inside functions included, a name taken from a package's `__init__` followed to the
   module that defines it (the layer test's own scan, `tests/layer_imports.py`); each circle says
   whether it lies inside one folder;
-- lines of `ops/`, `engine/`, `distributed/` (every line of their .py files).
+- lines of `ops/`, `engine/`, `distributed/` (every line of their .py files);
+- whole-vs-sharded policy branches in `training/`: tests against None of a policy's sharded
+  weights handle (`<x>.weights`) or of the rank group (`active_group()`), by function.
 
 One dynamic figure (`--frames`): the Python frames of LongStraw's own files between the
 `longstraw train` command and the call of the model in the first replayed branch (the first
@@ -78,6 +80,19 @@ def _functions(tree: ast.AST):
     return out
 
 
+def _own_nodes(function: ast.AST) -> list[ast.AST]:
+    """The nodes of `function`'s body, less those of the functions nested in it (which are
+    counted on their own)."""
+    body = [n for stmt in function.body for n in ast.walk(stmt)]
+    nested = {
+        id(n)
+        for inner in ast.walk(function)
+        if inner is not function and isinstance(inner, (ast.FunctionDef, ast.Lambda))
+        for n in ast.walk(inner)
+    }
+    return [n for n in body if id(n) not in nested]
+
+
 def _mentions(node: ast.AST, words: tuple[str, ...]) -> bool:
     text = ast.unparse(node)
     return any(w in text for w in words)
@@ -100,15 +115,7 @@ def rank_coordinate_figures() -> dict:
     for path in package_modules(PACKAGE).values():
         tree = ast.parse(path.read_text())
         for qualname, function in _functions(tree):
-            body = [n for stmt in function.body for n in ast.walk(stmt)]
-            # Nested functions are counted on their own.
-            nested = {
-                id(n)
-                for inner in ast.walk(function)
-                if inner is not function and isinstance(inner, (ast.FunctionDef, ast.Lambda))
-                for n in ast.walk(inner)
-            }
-            if any(_rank_arithmetic(n) for n in body if id(n) not in nested):
+            if any(_rank_arithmetic(n) for n in _own_nodes(function)):
                 places[str(path.relative_to(REPO))].append(qualname)
     return {
         "files": len(places),
@@ -153,6 +160,28 @@ def attention_figures() -> dict:
         "functions_handed_to_transformers": registered,
         "attention_dispatch_sites": {k: sorted(v) for k, v in sorted(dispatch_sites.items())},
     }
+
+
+def _policy_placement_test(node: ast.AST) -> bool:
+    """`<x>.weights is (not) None` or `active_group() is (not) None`."""
+    if not isinstance(node, ast.Compare) or not isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+        return False
+    if not (isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None):
+        return False
+    left = node.left
+    if isinstance(left, ast.Attribute):
+        return left.attr == "weights"
+    return isinstance(left, ast.Call) and ast.unparse(left.func) == "active_group"
+
+
+def policy_branch_figures(package: Path = PACKAGE) -> dict:
+    places: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((package / "training").rglob("*.py")):
+        for qualname, function in _functions(ast.parse(path.read_text())):
+            found = [n for n in _own_nodes(function) if _policy_placement_test(n)]
+            places[str(path.relative_to(package.parent))] += [qualname] * len(found)
+    places = {k: v for k, v in sorted(places.items()) if v}
+    return {"count": sum(len(v) for v in places.values()), "places": places}
 
 
 def line_figures() -> dict:
@@ -232,6 +261,7 @@ def main() -> None:
         "rank_coordinates": rank_coordinate_figures(),
         "import_circles": circle_figures(),
         "lines": line_figures(),
+        "policy_branches": policy_branch_figures(),
     }
     if args.frames:
         figures["frames"] = frames_to_replayed_branch()
@@ -254,6 +284,7 @@ def main() -> None:
             figures["import_circles"]["inside_one_folder"],
         ),
         "lines ops + engine + distributed": figures["lines"],
+        "whole-vs-sharded policy branches in training/": figures["policy_branches"]["places"],
     }
     if args.frames:
         summary["frames longstraw train -> replayed branch's model call"] = figures["frames"][

@@ -164,11 +164,7 @@ def test_the_documented_map_is_this_one():
     assert line in architecture, f"docs/architecture.md should list the layers as: {line}"
 
 
-KNOWN_CIRCLES = [
-    # The cross-rank K/V attention installs the MLA forward and the MLA layer reuses the K/V
-    # layer's wire protocol: one op per attention kind with the exchange as an argument ends it.
-    ["longstraw.distributed.cross_rank_attention", "longstraw.distributed.cross_rank_mla"],
-]
+KNOWN_CIRCLES: list[list[str]] = []
 """Circles the package still has, each with what removes it; the list only shrinks."""
 
 

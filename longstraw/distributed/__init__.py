@@ -3,8 +3,10 @@
 The engine (`longstraw.engine`) runs at every world size; what a rank adds is its
 `PrefixExchange`, `longstraw.distributed.exchange.CrossRankExchange(group)`, handed to
 `engine.prefill.prefill`, `engine.replay.replay_branch`, `engine.rollout.sample_responses` and
-`engine.group.group_gradient`. Families: K/V (full attention) and Gated DeltaNet layers
-(`cross_rank_attention`), GLM-5's MLA latents with a global DSA top-k (`cross_rank_mla`).
+`engine.group.group_gradient`. Its attention layers run the engine's one attention op per
+kind, given the ranks that hold the rest of the prompt: K/V (`cross_rank_attention.KvRanks`),
+GLM-5's MLA latents with a global DSA top-k (`cross_rank_mla.LatentRanks`); Gated DeltaNet
+state is handed over at ownership boundaries (`shard_ownership`).
 
 See docs/scaling.md. Here: `run_on_ranks` (launch), `wavefront_prefill` (the same state on a
 layer wavefront: all ranks compute at once), fp32 gradient accumulators sharded over the

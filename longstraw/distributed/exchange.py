@@ -2,12 +2,13 @@
 across its sequence group.
 
 Replicated, as every branch on the ranks runs: each rank runs the same branch on the same inputs
-over its part of the `PrefixState`; the cross-rank attention (`cross_rank_attention`,
-`cross_rank_mla`) merges every rank's partial over its positions, so the branch's outputs are the
-same bits on every rank and each rank's prompt cotangent collects dK/dV for its positions only.
-The parts: each kind's cross-rank layer (`layer_placement`), the shards this rank holds and the
-protocol around the others (`shard_ownership`), what the ranks agree on (`collectives`), and this
-rank's rows of the gradient (`gradient_slices.sliced_gradient`).
+over its part of the `PrefixState`; the attention op, given the ranks that hold the rest of the
+prompt (`cross_rank_attention`, `cross_rank_mla`), merges every rank's partial over its
+positions, so the branch's outputs are the same bits on every rank and each rank's prompt
+cotangent collects dK/dV for its positions only. The parts: each attention layer's ranks
+(`layer_placement`), the shards this rank holds and the protocol around the others
+(`shard_ownership`), what the ranks agree on (`collectives`), and this rank's rows of the
+gradient (`gradient_slices.sliced_gradient`).
 """
 
 from __future__ import annotations

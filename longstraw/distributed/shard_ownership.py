@@ -29,6 +29,7 @@ from longstraw.distributed.topology import Topology
 from longstraw.engine.layer_kinds import CHECKPOINT_ARRAYS
 from longstraw.engine.shard_ownership import ShardOwnership
 from longstraw.engine.state import Placement, PrefixState
+from longstraw.models.adapters import attention_scales
 
 
 def serving_prefixes(state: PrefixState, shard: int, cotangent=None):
@@ -65,9 +66,12 @@ def serve_shard(
     owner = state.owner_of(shard)
     if state.latent is None:
         keys, values, grad_keys, grad_values = serving_prefixes(state, shard, cotangent)
+        fa = state.spec.full_attention
+        by_layer = attention_scales(model)
+        scales = [] if fa is None else [by_layer[i] for i in fa.layer_indices]
         return serve_owner(
-            owner, keys, values, group=group, grad_k_TKD=grad_keys, grad_v_TKD=grad_values,
-            on_gradient_slices=on_gradient_slices,
+            owner, keys, values, scales, group=group, grad_k_TKD=grad_keys,
+            grad_v_TKD=grad_values, on_gradient_slices=on_gradient_slices,
         )  # fmt: skip
     # GLM-5: MLA layers only (no model family mixes MLA with K/V layers).
     assert state.keys is None, "a model with both MLA and K/V layers is not supported"

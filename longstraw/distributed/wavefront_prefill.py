@@ -1,7 +1,7 @@
 """Sequence-sharded prefill on a layer wavefront: every rank computes at once, same bits.
 
 Legend: L decoder layers, N ranks, r this rank, t a wavefront step, B H R D V as in
-`partial_attention` (R = one shard's queries).
+`longstraw.ops.prefix_attention` (R = one shard's queries).
 
 `sharded_prefill` walks global shards in order: the owner of a shard computes it through all
 layers while the other ranks only serve, so N ranks divide memory by N but not time. Cell
@@ -19,9 +19,10 @@ rank, with l = t - r:
      positions of layer l (finished: it ran layer l at an earlier step) — as soon as they have
      arrived (watched by receive threads; looked at between its own shards and while it
      waits), then the rest;
-  C. each shard finishes layer l: the same merge as `sharded_prefill`'s owner — the N partials in
-     rank order (earlier ranks', its own over its earlier positions, an empty one per later
-     rank), then the causal in-shard part — so the state is bitwise `sharded_prefill`'s. With
+  C. each shard finishes layer l: the same attention op as `sharded_prefill`'s owner, with the
+     same N partials in rank order (earlier ranks', its own over its earlier positions, an
+     empty one per later rank), then the causal in-shard part — so the state is bitwise
+     `sharded_prefill`'s. With
      `attention_window` w, shard s finishes before shard s + w starts its attention (memory).
 
 No rank receives another rank's K/V. Only point-to-point messages between the ranks that need
@@ -33,18 +34,18 @@ first changes no value. A rank that dies closes its connections; the others rais
 wait (or time out with the group's timeout) and `run_on_ranks` names it.
 
 How one layer of one shard runs without a per-family decoder driver: each owned shard runs the
-ordinary `run_shard_forward` (transformers' decoder: embeddings, rotary, masks, layer kwargs) in
-its own thread, paused by forward pre-hooks at every decoder layer and inside the attention
-function ("longstraw_wavefront") until this rank's main thread, which does all communication,
-resumes it. The threads are coroutines: exactly one thread of a rank computes at any moment, in
+ordinary `run_shard_forward` (transformers' decoder: embeddings, rotary, masks, layer kwargs)
+with the engine's attention (`engine.attention`; GLM-5: its MLA forward) in its own thread,
+paused by forward pre-hooks at every decoder layer and inside the attention op — its layers'
+ranks (`_WavefrontKvRanks`, `_WavefrontLatentRanks`) pause where the sequential owner's would
+broadcast — until this rank's main thread, which does all communication, resumes it. The threads are coroutines: exactly one thread of a rank computes at any moment, in
 a fixed order, so the result does not depend on thread timing. (Receive-watching threads only
 wait on messages, see `_Arrivals`; which message arrives first changes no value.)
 
-GLM-5's MLA + DSA layers: the shard thread runs `sharded_mla_forward` on `_WavefrontMlaLayer`s,
-which pause twice on a selecting layer — ("select", indexer queries) -> the earlier ranks' local
-top-k candidates, then ("mla", absorbed queries + selection) -> their partials — and once
-otherwise (dense regime, `shared` layers); the candidates and partials are completed and merged
-in `sharded_prefill`'s order with `cross_rank_mla`'s own functions. Resume works as in
+GLM-5's MLA + DSA layers pause twice on a selecting layer — ("select", indexer queries) -> the
+earlier ranks' local top-k candidates, then ("mla", absorbed queries + selection) -> their
+partials — and once otherwise (dense regime, `shared` layers); the candidates and partials are
+completed and merged in `sharded_prefill`'s order by the same selection and op. Resume works as in
 `sharded_prefill`; persistence records shards only when the whole wavefront is done
 (`training.persisted_prefill.PrefillSession(..., schedule="wavefront")` on the ranks). See docs/scaling.md, "Schedule".
 """
@@ -60,35 +61,26 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
-from longstraw.distributed.cross_rank_attention import (
-    COMM,
-    CrossRankAttentionLayer,
-    partial_chunk_tokens,
-)
+from longstraw.distributed.cross_rank_attention import COMM, pack_partial, partial_chunk_tokens
 from longstraw.distributed.cross_rank_mla import (
-    CrossRankMlaLayer,
+    LatentRanks,
     attention_modules,
-    cross_rank_mla_installed,
-    local_topk_candidates,
-    merged_partials,
     pack_index_queries,
     pack_latent_queries,
-    pack_partial,
-    rank_partial,
     serve_candidates,
+    serve_latent_partial,
 )
 from longstraw.distributed.exchange import CrossRankExchange
 from longstraw.distributed.layer_placement import owner_prefill_cache
-from longstraw.engine.attention import CACHE_KWARG
+from longstraw.engine.attention import prefix_attention_enabled
 from longstraw.engine.prefill import prefill_target, prompt_tensor, run_shard_forward
 from longstraw.engine.state import PrefixState, rank_shard_ranges
-from longstraw.models.adapters import decoder_of
-from longstraw.models.glm import is_glm
-from longstraw.ops.partial_attention import causal_partial, merge_partials, prefix_partial
+from longstraw.models.adapters import attention_scales, decoder_of
+from longstraw.models.glm import local_topk_candidates
+from longstraw.ops.prefix_attention import prefix_partial
 
-ATTENTION_NAME = "longstraw_wavefront"
 # Message kinds, part of every point-to-point tag (tag = shard * _KINDS + kind). GLM-5's MLA
 # layers: _QUERY carries the absorbed queries, _PARTIAL the latent partials, and a selecting layer
 # adds _INDEX_QUERY (indexer queries) -> _CANDIDATES (local top-k), and _SELECTION.
@@ -117,7 +109,10 @@ class _ShardThread:
     def __init__(self, model: PreTrainedModel, state: PrefixState, shard: int, group):
         self.shard = shard
         # GLM-5's MLA layers exchange through the main thread (pauses), not collectives.
-        cache = owner_prefill_cache(state, shard, group=group, mla_layer_class=_WavefrontMlaLayer)
+        cache = owner_prefill_cache(
+            state, shard, group=group, kv_ranks=_WavefrontKvRanks,
+            latent_ranks=_WavefrontLatentRanks,
+        )  # fmt: skip
         self._args = (model, state.prompt_ids, cache, *state.bounds[shard])
         self._resume: queue.Queue = queue.Queue(maxsize=1)
         self._report: queue.Queue = queue.Queue(maxsize=1)
@@ -185,106 +180,90 @@ def _pause_before_layer(layer_idx: int):
     return hook
 
 
-def wavefront_attention(
-    module: torch.nn.Module,
-    query_BHRD: Tensor,
-    key_BKRD: Tensor,
-    value_BKRV: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """`_CrossRankAttention`'s owner-mode forward, with the exchange done by the main thread.
+class _WavefrontKvRanks:
+    """A full-attention layer's `PrefixRanks` in the wavefront: the shard thread pauses with its
+    queries, the main thread sends them to the earlier ranks and resumes it with their partials.
+    This rank's own partial over its earlier positions (the op's) and an empty partial per later
+    rank complete them, so the merge sees the same N partials in the same order as
+    `sharded_prefill`'s owner."""
 
-    The partials of earlier ranks arrive through `pause`; this rank's own partial over its
-    earlier positions and the empty partials of later ranks are computed here, so the merge
-    sees the same N + 1 partials in the same order as `sharded_prefill`'s owner.
-    """
-    cache = kwargs.get(CACHE_KWARG)
-    layer = None if cache is None else cache.layers[module.layer_idx]
-    shard_thread = getattr(_current, "shard_thread", None)
-    if not isinstance(layer, CrossRankAttentionLayer) or shard_thread is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} runs only inside wavefront_prefill"
-        )
-    scale = scaling if scaling is not None else query_BHRD.shape[-1] ** -0.5
-    dtype = torch.promote_types(query_BHRD.dtype, torch.float32)
-    q_s = (query_BHRD.to(dtype) * float(scale)).contiguous()
-    earlier: list[tuple[Tensor, Tensor]] = shard_thread.pause("attention", q_s)
-    own = prefix_partial(
-        q_s, layer.prefix_k_TKD, layer.prefix_v_TKD, chunk_size=partial_chunk_tokens()
-    )
-    empty = prefix_partial(
-        q_s, layer.prefix_k_TKD[:0], layer.prefix_v_TKD[:0], chunk_size=partial_chunk_tokens()
-    )
-    world = dist.get_world_size(layer.group)
-    parts = [*earlier, own, *[empty] * (world - len(earlier) - 1)]
-    out_b, lse_b = causal_partial(q_s, key_BKRD, value_BKRV)
-    out_BHRV, _ = merge_partials([p[0] for p in parts] + [out_b], [p[1] for p in parts] + [lse_b])
-    return out_BHRV.to(query_BHRD.dtype).transpose(1, 2).contiguous(), None
+    replicated = False
+
+    def __init__(self, group, owner: int, slot: int):
+        del owner, slot
+        self.world = dist.get_world_size(group)
+        self.earlier: list[tuple[Tensor, Tensor]] = []
+
+    def queries_ready(self, q_BHRD: Tensor, scale: float) -> None:
+        self.earlier = _current.shard_thread.pause("attention", (q_BHRD.contiguous(), scale))
+
+    def gather(self, out_BHRV: Tensor, lse_BHR: Tensor) -> list[tuple[Tensor, Tensor]]:
+        earlier, self.earlier = self.earlier, []
+        empty = (torch.zeros_like(out_BHRV), torch.full_like(lse_BHR, float("-inf")))
+        return [*earlier, (out_BHRV, lse_BHR), *[empty] * (self.world - len(earlier) - 1)]
+
+    def cotangent_ready(self, *tensors: Tensor) -> None:
+        raise AssertionError("the wavefront prefill keeps no graph")
+
+    reduce = cotangent_ready
 
 
-AttentionInterface.register(ATTENTION_NAME, wavefront_attention)
-
-
-class _WavefrontMlaLayer(CrossRankMlaLayer):
-    """GLM-5's owner-mode MLA layer with both exchanges done by the main thread.
+class _WavefrontLatentRanks(LatentRanks):
+    """GLM-5's `LatentRanks` in the wavefront, both exchanges done by the main thread.
 
     The shard thread pauses with ("select", packed indexer queries) and gets the earlier ranks'
     local top-k candidates, then with ("mla", (packed absorbed queries, selection)) and gets
-    their packed partials. This rank's own share and the empty shares of later ranks are computed
-    here with the functions their owners would use, so the candidates and the partials reach
-    `global_topk` / `merged_partials` in the same order with the same bits as in
+    their packed partials. This rank's own share and the empty shares of later ranks are
+    computed here with the functions their owners would use, so the candidates and the partials
+    reach `global_topk` / the merge in the same order with the same bits as in
     `sharded_prefill`'s all_gathers.
     """
 
-    def _later(self, earlier: int) -> int:
-        return dist.get_world_size(self.group) - earlier - 1
+    def __init__(self, group, owner: int, layer: int, *, num_prefix: int, local_start: int):
+        super().__init__(group, owner, layer, num_prefix=num_prefix, local_start=local_start)
+        self.world = dist.get_world_size(group)
+        self.earlier: list[Tensor] = []
 
-    def gather_candidates(self, layer_idx, indexer, q_BSHD, weights_BSH):
-        shard_thread = _current.shard_thread
-        earlier = shard_thread.pause("select", pack_index_queries(q_BSHD, weights_BSH))
+    def _later(self, earlier: int) -> int:
+        return self.world - earlier - 1
+
+    def gather_candidates(self, indexer, q_BSHD, weights_BSH, index_TD):
+        earlier = _current.shard_thread.pause("select", pack_index_queries(q_BSHD, weights_BSH))
         topk = indexer.index_topk
-        index_TD = self.prefix_index_TD
         own = local_topk_candidates(indexer, q_BSHD, weights_BSH, index_TD, self.local_start, topk)
         empty = local_topk_candidates(indexer, q_BSHD, weights_BSH, index_TD[:0], 0, topk)
         return [*earlier, own, *[empty] * self._later(len(earlier))]
 
-    def prefix_attention(self, q_lat_BHSR, q_rot_BHSE, layer_idx, selected_BSK, scale, needs_grad):
+    def queries_ready(self, q_lat_BHSR, q_rot_BHSE, selected_BSK, needs_grad: bool) -> None:
         assert not needs_grad, "the wavefront prefill keeps no graph"
-        shard_thread = _current.shard_thread
         packed_q = pack_latent_queries(q_lat_BHSR, q_rot_BHSE)
-        earlier = shard_thread.pause("mla", (packed_q, selected_BSK))
-        lat_TR, rope_TE = self.prefix_latent_TR, self.prefix_rope_TE
-        own, empty = (
-            pack_partial(*rank_partial(
-                q_lat_BHSR, q_rot_BHSE, lat, rope, selected_BSK, self.local_start, scale
-            )[:2])
-            for lat, rope in ((lat_TR, rope_TE), (lat_TR[:0], rope_TE[:0]))
-        )  # fmt: skip
-        return merged_partials([*earlier, own, *[empty] * self._later(len(earlier))])
+        self.earlier = _current.shard_thread.pause("mla", (packed_q, selected_BSK))
+
+    def gather(self, out_BHSR: Tensor, lse_BHS: Tensor) -> list[tuple[Tensor, Tensor]]:
+        earlier = [(packed[..., :-1], packed[..., -1]) for packed in self.earlier]
+        self.earlier = []
+        empty = (torch.zeros_like(out_BHSR), torch.full_like(lse_BHS, float("-inf")))
+        return [*earlier, (out_BHSR, lse_BHS), *[empty] * self._later(len(earlier))]
+
+    def cotangent_ready(self, *tensors: Tensor) -> None:
+        raise AssertionError("the wavefront prefill keeps no graph")
+
+    reduce = cotangent_ready
 
 
 @contextlib.contextmanager
 def _wavefront_installed(model: PreTrainedModel) -> Iterator[None]:
-    """The attention function (GLM-5: the sharded MLA forward) and the per-layer pause hooks,
-    for the duration of the block."""
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    """The ranks' attention and the per-layer pause hooks, for the duration of the block."""
     handles = [
         layer.register_forward_pre_hook(_pause_before_layer(i))
         for i, layer in enumerate(decoder_of(model).layers)
     ]
-    family = cross_rank_mla_installed(model) if is_glm(model) else contextlib.nullcontext()
     try:
-        with family:
+        with prefix_attention_enabled(model):
             yield
     finally:
         for handle in handles:
             handle.remove()
-        config._attn_implementation = previous
 
 
 class _Plan:
@@ -304,7 +283,10 @@ class _Plan:
         self.full_slot = {} if fa is None else {i: s for s, i in enumerate(fa.layer_indices)}
         self.linear_slot = {} if la is None else {i: s for s, i in enumerate(la.layer_indices)}
         heads = model.config.get_text_config().num_attention_heads
-        # Queries and partials travel in fp32 (the attention's compute dtype for fp32/bf16).
+        # K/V queries travel in the model's dtype (what the attention receives) with the layer's
+        # own scale; partials in the attention's compute dtype (fp32 for fp32/bf16).
+        self.scales = attention_scales(model)
+        self.query_dtype = model.dtype
         self.query_dims = None if fa is None else (heads, fa.head_dim)
         self.partial_dims = None if fa is None else (heads, fa.value_head_dim + 1)
         self.device = model.device
@@ -357,9 +339,11 @@ class _Plan:
         layer = step - rank
         return layer if 0 <= layer < self.num_layers else None
 
-    def buffer(self, shard: int, dims: tuple[int, int]) -> Tensor:
+    def buffer(
+        self, shard: int, dims: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> Tensor:
         start, end = self.state.bounds[shard]
-        return torch.empty(1, dims[0], end - start, dims[1], device=self.device)
+        return torch.empty(1, dims[0], end - start, dims[1], dtype=dtype, device=self.device)
 
 
 class _Arrivals:
@@ -436,7 +420,7 @@ class _Step:
             if other_layer in plan.full_slot:
                 stream = []
                 for shard in plan.computed[other]:
-                    q = plan.buffer(shard, plan.query_dims)
+                    q = plan.buffer(shard, plan.query_dims, plan.query_dtype)
                     stream.append(((_QUERY, other, shard), self._recv(q, other, shard, _QUERY)))
                     self.requests.append((other, shard, q, None))
                 self.arrivals.watch(stream)
@@ -530,13 +514,16 @@ class _Step:
         "select" packed indexer queries, "mla" packed absorbed queries and the selection)."""
         plan, layer = self.plan, self.layer
         if kind == "attention":
-            expected = plan.buffer(shard, plan.query_dims).shape
-            if payload.shape != expected:
+            q, scale = payload
+            expected = plan.buffer(shard, plan.query_dims, plan.query_dtype)
+            if (q.shape, q.dtype) != (expected.shape, expected.dtype):
                 raise RuntimeError(
-                    f"queries of shape {tuple(payload.shape)}, expected {tuple(expected)}: this "
-                    "family's attention is not supported by wavefront_prefill; use sharded_prefill"
+                    f"queries of shape {tuple(q.shape)} in {q.dtype}, expected "
+                    f"{tuple(expected.shape)} in {expected.dtype}: this family's attention is not "
+                    "supported by wavefront_prefill; use sharded_prefill"
                 )
-            self.send_queries(shard, payload)
+            assert scale == plan.scales[layer], "the earlier ranks scale by the layer's own scale"
+            self.send_queries(shard, q)
             return
         if kind == "select":
             assert plan.selects(layer, shard), (layer, shard)
@@ -601,21 +588,19 @@ class _Step:
             layer = plan.layer_of(requester, self.step)
             if layer in plan.mla_layers:
                 # GLM-5: the partial over this rank's selected latents, as `serve_mla_owner`.
-                slot, rank_dim = plan.mla.layer_indices.index(layer), plan.mla.kv_lora_rank
-                out, lse, _ = rank_partial(
-                    q[..., :rank_dim], q[..., rank_dim:], state.latent[slot],
-                    state.rope_key[slot], selection, state.token_start,
+                slot = plan.mla.layer_indices.index(layer)
+                out, lse = serve_latent_partial(
+                    q, state.latent[slot], state.rope_key[slot], selection, state.token_start,
                     plan.mla_modules[layer].scaling,
                 )  # fmt: skip
                 self._send(pack_partial(out, lse), requester, shard, _PARTIAL)
                 continue
             slot = plan.full_slot[layer]
             out, lse = prefix_partial(
-                q, state.keys[slot], state.values[slot], chunk_size=partial_chunk_tokens()
-            )
-            self._send(
-                torch.cat([out, lse[..., None]], dim=-1).contiguous(), requester, shard, _PARTIAL
-            )
+                q, state.keys[slot], state.values[slot], scale=plan.scales[layer],
+                chunk_size=partial_chunk_tokens(),
+            )  # fmt: skip
+            self._send(pack_partial(out, lse), requester, shard, _PARTIAL)
         self.requests = pending
 
     def _serve_until(self, done: Callable[[], bool]) -> None:

@@ -60,6 +60,12 @@ def longstraw_attention(
     # Decoding (the layer keeps the rows' own K/V between steps, or a few new queries meet a
     # longer overlay) runs without autograd and reads the prefix once for all rows.
     decoding = layer.keep_branch or key_BKSD.shape[2] != query_BHSD.shape[2]
+    ranks = layer.ranks
+    if decoding and ranks is not None and not ranks.replicated:
+        raise RuntimeError(
+            "decoding over a sequence-sharded prefix runs replicated and without autograd "
+            "(engine.rollout over CrossRankExchange); replay the sampled responses for gradients"
+        )
     if not decoding:
         # A long branch's earlier segments (engine/segmented_replay.py), else None.
         extra_prefix = getattr(layer, "extra_prefix", None)
@@ -70,9 +76,10 @@ def longstraw_attention(
             outputs = kept.kept_or_computed(
                 module,
                 lambda: prefix_attention_outputs(
-                    *inputs, scale=scale, chunk_size=PREFIX_CHUNK_TOKENS, extra_prefix=extra_prefix
+                    *inputs, scale=scale, chunk_size=PREFIX_CHUNK_TOKENS,
+                    extra_prefix=extra_prefix, ranks=ranks,
                 ),
-            )
+            )  # fmt: skip
         out_BHSD = prefix_cached_attention(
             *inputs,
             scale=scale,
@@ -81,6 +88,7 @@ def longstraw_attention(
             prefix_grad_v_TKD=layer.grad_v_TKD,
             extra_prefix=extra_prefix,
             outputs=outputs,
+            ranks=ranks,
         )
     else:
         out_BHSD = decode_attention(
@@ -91,6 +99,7 @@ def longstraw_attention(
             layer.prefix_v_TKD,
             scale=scale,
             chunk_size=PREFIX_CHUNK_TOKENS,
+            ranks=ranks,
         )
     return out_BHSD.transpose(1, 2).contiguous(), None
 

@@ -17,6 +17,9 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from longstraw.ops.mla_attention import LatentRanks
+from longstraw.ops.prefix_attention import PrefixRanks
+
 
 class BranchBuffer:
     """Decoding's record of the rows' own state along `dim`: preallocated, appended in place.
@@ -54,7 +57,13 @@ class BranchBuffer:
 
 
 class PrefixAttentionLayer:
-    """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V."""
+    """One full-attention layer: a read-only prefix (views into the state) + this forward's K/V.
+
+    `ranks` (`longstraw.ops.prefix_attention.PrefixRanks`): the prefix is this rank's part of a
+    prompt split over a sequence group, the rest read through it (None: the whole prefix is
+    here). Decoding (`keep_branch`) and a long branch's earlier segments (`extra_prefix`) run
+    replicated: every rank runs the same forward.
+    """
 
     is_linear = False
     is_sliding = False
@@ -70,7 +79,14 @@ class PrefixAttentionLayer:
         keep_branch: bool = False,
         branch_capacity: int = 0,
         extra_prefix: tuple | None = None,
+        ranks: PrefixRanks | None = None,
     ):
+        if ranks is not None and not ranks.replicated and (keep_branch or extra_prefix is not None):
+            raise ValueError(
+                "decoding and a branch's earlier segments run replicated on the ranks: pass "
+                "replicated ranks"
+            )
+        self.ranks = ranks
         self.prefix_k_TKD = prefix_k_TKD
         self.prefix_v_TKD = prefix_v_TKD
         # fp32 cotangent buffers the attention backward adds dK/dV of the prefix into (exact mode).
@@ -168,6 +184,8 @@ class PrefixMlaLayer:
     Read by `longstraw.models.glm`'s attention forward, which replaces transformers' (that one
     re-expands every cached latent into per-head K/V). `on_update(latent_BSR, rope_BSE,
     index_key_BSD | None)` sees each forward's new state, like `PrefixAttentionLayer.on_update`.
+    `ranks` (`longstraw.ops.mla_attention.LatentRanks`) as `PrefixAttentionLayer`'s: the prefix
+    is this rank's part of a prompt split over a sequence group (None: all of it).
     """
 
     is_linear = False
@@ -184,7 +202,11 @@ class PrefixMlaLayer:
         on_update: Callable[..., None] | None = None,
         keep_branch: bool = False,
         branch_capacity: int = 0,
+        ranks: LatentRanks | None = None,
     ):
+        if ranks is not None and not ranks.replicated and keep_branch:
+            raise ValueError("decoding runs replicated on the ranks: pass replicated ranks")
+        self.ranks = ranks
         self.prefix_latent_TR = prefix_latent_TR
         self.prefix_rope_TE = prefix_rope_TE
         # None on `shared` indexer layers, which reuse the previous layer's selection.

@@ -157,3 +157,14 @@ def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
     (of the transformers model itself when `model` is peft's wrapper of it)."""
     model = unwrapped(model)
     return getattr(model, model.base_model_prefix)
+
+
+def attention_scales(model: PreTrainedModel) -> dict[int, float]:
+    """Each attention module's softmax scale by decoder layer: what transformers hands the
+    attention function as `scaling`, and what a rank answering another rank's queries for that
+    layer scales them by."""
+    return {
+        m.layer_idx: m.scaling
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and isinstance(getattr(m, "scaling", None), float)
+    }

@@ -16,10 +16,12 @@ loop, lm_head) is transformers' own code. The replacement computes the same func
 - the indexer exactly as `GlmMoeDsaIndexer.forward` (under no_grad, fp32 scores, relu, per-head
   weights), scored against the stored prefix indexer keys chunk by chunk plus the branch's own,
   then a stable top-k (`longstraw.ops.dsa_topk`: ties to the earlier position); with T + X <=
-  `index_topk` every position is selected and the selection is skipped (the dense regime);
+  `index_topk` every position is selected and the selection is skipped (the dense regime); on
+  the ranks of a sequence group the global top-k of every rank's local top-k candidates;
 - `shared` layers reuse the previous layer's selection, passed up the decoder loop in the slot
   transformers uses for `prev_topk_indices`;
-- absorbed MLA on the latents (`longstraw.ops.mla_attention`), the prefix merged by log-sum-exp.
+- absorbed MLA on the latents (`longstraw.ops.mla_attention`), the prefix merged by log-sum-exp
+  (on the ranks, every rank's part of the prefix: its cache layer's `ranks`).
 
 MoE: the router and experts are transformers' and position-wise. The model is called without
 `output_router_logits`, so no auxiliary load-balancing loss is computed on prompt or branch
@@ -44,7 +46,7 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
 
 from longstraw.models.lora import linear_weight
 from longstraw.models.patching import forwards_replaced
-from longstraw.ops.dsa_topk import stable_topk_mask
+from longstraw.ops.dsa_topk import global_topk, stable_topk_indices, stable_topk_mask
 from longstraw.ops.mla_attention import absorbed_mla_attention
 
 # Prefix positions per chunk for the latent attention and the indexer scores.
@@ -80,31 +82,75 @@ def index_scores(indexer, q_BSHD, weights_BSH, keys_XD):
     return torch.matmul(weights_BSH.unsqueeze(-2), scores_BSHX).squeeze(-2)
 
 
+def _prefix_index_scores(indexer, q_BSHD, weights_BSH, index_TD) -> list[torch.Tensor]:
+    """[B, S, C] index scores of the prefix keys, chunk by chunk (no per-head [S, Hi, T] block)."""
+    return [
+        index_scores(indexer, q_BSHD, weights_BSH, index_TD[s : s + PREFIX_CHUNK_TOKENS])
+        for s in range(0, index_TD.shape[0], PREFIX_CHUNK_TOKENS)
+    ]
+
+
 @torch.no_grad()
 def dsa_selection(
-    indexer, q_BSHD, weights_BSH, prefix_index_TD, branch_index_BXD
+    indexer, q_BSHD, weights_BSH, prefix_index_TD, branch_index_BXD, ranks=None
 ) -> torch.Tensor | None:
     """[B, S, K] selected positions (ascending, in [0, T + X)), or None when all are selected.
 
-    Scores are [B, S, T + X] fp32 (one shard × the prefix in prefill, no per-head [S, Hi, T] block:
-    the prefix is scored chunk by chunk).
+    Scores are [B, S, T + X] fp32 (one shard × the prefix in prefill). `ranks`
+    (`longstraw.distributed.cross_rank_mla.LatentRanks`): the prefix keys given are this rank's
+    part of the `ranks.num_prefix` the queries see; every rank's local top-k candidates
+    (`local_topk_candidates`) are gathered and the branch's own added: the K best of them are
+    the selection of all positions (`global_topk`).
     """
     batch, queries = q_BSHD.shape[:2]
-    num_prefix, branch_len = prefix_index_TD.shape[0], branch_index_BXD.shape[1]
+    branch_len = branch_index_BXD.shape[1]
+    num_prefix = prefix_index_TD.shape[0] if ranks is None else ranks.num_prefix
     topk = indexer.index_topk
     if num_prefix + branch_len <= topk:
         return None
-    parts = [
-        index_scores(indexer, q_BSHD, weights_BSH, prefix_index_TD[s : s + PREFIX_CHUNK_TOKENS])
-        for s in range(0, num_prefix, PREFIX_CHUNK_TOKENS)
-    ]
     branch_BSX = index_scores(indexer, q_BSHD, weights_BSH, branch_index_BXD)
     query_pos = torch.arange(branch_len - queries, branch_len, device=q_BSHD.device)
     hidden_SX = torch.arange(branch_len, device=q_BSHD.device)[None, :] > query_pos[:, None]
-    parts.append(branch_BSX.masked_fill(hidden_SX, float("-inf")))
-    keep_BSL = stable_topk_mask(torch.cat(parts, dim=-1), topk)
-    # Exactly `topk` per row; nonzero() walks rows in order, so each row's positions ascend.
-    return keep_BSL.nonzero()[:, 2].view(batch, queries, topk)
+    branch_BSX = branch_BSX.masked_fill(hidden_SX, float("-inf"))
+    if ranks is None:
+        parts = _prefix_index_scores(indexer, q_BSHD, weights_BSH, prefix_index_TD)
+        keep_BSL = stable_topk_mask(torch.cat([*parts, branch_BSX], dim=-1), topk)
+        # Exactly `topk` per row; nonzero() walks rows in order, so each row's positions ascend.
+        return keep_BSL.nonzero()[:, 2].view(batch, queries, topk)
+    parts = []
+    if num_prefix > 0:
+        parts = ranks.gather_candidates(indexer, q_BSHD, weights_BSH, prefix_index_TD)
+    branch_pos_BSX = num_prefix + torch.arange(branch_len, device=q_BSHD.device)
+    branch_BSX2 = torch.stack(
+        [branch_BSX.double(), branch_pos_BSX.double().expand(batch, queries, branch_len)], dim=-1
+    )
+    return global_topk(torch.cat([*parts, branch_BSX2], dim=2), topk)
+
+
+def local_topk_candidates(
+    indexer, q_BSHD, weights_BSH, index_TD, local_start: int, topk: int
+) -> torch.Tensor:
+    """[B, S, K, 2] float64 (score, global position) of the best K of the prefix positions
+    [local_start, local_start + T_r) whose indexer keys are `index_TD` (stable rule), padded
+    with (-inf, +inf) when there are fewer than K: a rank's share of `dsa_selection`. Positions
+    travel as float64 (exact to 2^53)."""
+    batch, queries = q_BSHD.shape[:2]
+    out = torch.empty(batch, queries, topk, 2, dtype=torch.float64, device=q_BSHD.device)
+    out[..., 0], out[..., 1] = float("-inf"), float("inf")
+    num = index_TD.shape[0]
+    if num == 0:
+        return out
+    scores_BST = torch.cat(_prefix_index_scores(indexer, q_BSHD, weights_BSH, index_TD), dim=-1)
+    if num > topk:
+        index_BSK = stable_topk_indices(scores_BST, topk)
+        scores_BSK = scores_BST.gather(-1, index_BSK)
+    else:
+        index_BSK = torch.arange(num, device=q_BSHD.device).expand(batch, queries, num)
+        scores_BSK = scores_BST
+    kept = index_BSK.shape[-1]
+    out[..., :kept, 0] = scores_BSK.double()
+    out[..., :kept, 1] = (index_BSK + local_start).double()
+    return out
 
 
 class MlaInputs(NamedTuple):
@@ -129,7 +175,7 @@ def mla_inputs(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
 ) -> MlaInputs:
     """The projections, norms and interleaved RoPE of transformers' forward (its modules and
-    helper); shared by this engine's forward and the sequence-sharded one (longstraw.distributed)."""
+    helper)."""
     batch, length = hidden_states.shape[:-1]
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
     q_BHSD = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim).transpose(1, 2)
@@ -173,7 +219,8 @@ def longstraw_mla_forward(
     prev_topk_indices: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """`GlmMoeDsaAttention.forward` on LongStraw's latent state (a `PrefixMlaLayer` in `cache`)."""
+    """`GlmMoeDsaAttention.forward` on LongStraw's latent state (a `PrefixMlaLayer` in `cache`:
+    the whole prefix, or this rank's part of it with the `LatentRanks` that reads the rest)."""
     if cache is None or not hasattr(cache.layers[self.layer_idx], "prefix_latent_TR"):
         raise RuntimeError(
             "LongStraw's GLM attention needs a longstraw StateCache with MLA layers; run the model "
@@ -185,6 +232,12 @@ def longstraw_mla_forward(
     latent_BXR, rope_BXE, index_BXD = layer.update(
         inputs.latent_BSR, inputs.rope_BSE, inputs.index_key_BSD
     )
+    ranks = layer.ranks
+    if ranks is not None and not ranks.replicated and latent_BXR.shape[1] != length:
+        raise RuntimeError(
+            "decoding over a sequence-sharded prefix runs replicated and without autograd "
+            "(engine.rollout over CrossRankExchange); replay the sampled responses for gradients"
+        )
     if self.indexer is not None:
         selected = dsa_selection(
             self.indexer,
@@ -192,6 +245,7 @@ def longstraw_mla_forward(
             inputs.index_weights_BSH,
             layer.prefix_index_TD,
             index_BXD,
+            ranks=ranks,
         )
     else:
         selected = previous_selection(self, prev_topk_indices)
@@ -209,6 +263,7 @@ def longstraw_mla_forward(
         chunk_size=PREFIX_CHUNK_TOKENS,
         prefix_grad_latent_TR=layer.grad_latent_TR,
         prefix_grad_rope_TE=layer.grad_rope_TE,
+        ranks=ranks,
     )
     out = out_BHSV.transpose(1, 2).reshape(batch, length, -1)
     # The selection rides up the decoder loop where transformers passes `prev_topk_indices`.

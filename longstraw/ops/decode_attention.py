@@ -26,31 +26,43 @@ import torch
 from torch import Tensor
 
 from longstraw.ops import dispatch
-from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
-from longstraw.ops.prefix_attention import _prefix_partial
+from longstraw.ops.partial_attention import (
+    flash_prefix_partial,
+    merge_partial_attention,
+    merge_partials,
+)
+from longstraw.ops.prefix_attention import PrefixRanks, _prefix_partial
 
 # Prefix keys per chunk (default): [K, M, 4096] fp32 scores at most on the fallback path.
 _PREFIX_CHUNK = 4096
 
 
-def _flash_applies(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> bool:
-    """A fused kernel (CPU flash, or flash-attn on CUDA) computes the prefix partial
-    (`longstraw.ops.dispatch`)."""
-    kernel = dispatch.attention_kernel(
+def _prefix_kernel(q: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor) -> str:
+    """The kernel of the prefix partial (`longstraw.ops.dispatch`): a fused one (CPU flash, or
+    flash-attn on CUDA) or LongStraw's bmm per chunk."""
+    return dispatch.attention_kernel(
         q.device, q.dtype, k_prefix_TKD.shape[-1], v_prefix_TKV.shape[-1],
         (k_prefix_TKD.dtype, v_prefix_TKV.dtype),
     )  # fmt: skip
-    return kernel != dispatch.TORCH
 
 
 def _prefix_partial_folded(
     q_KMD: Tensor, k_prefix_TKD: Tensor, v_prefix_TKV: Tensor, scale: float, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
-    """(out [K, M, V] fp32, lse [K, M] fp32) of M query rows per kv head over all T > 0 keys,
-    `chunk_size` prefix keys at a time (one fused call per chunk, LSE-merged in order)."""
-    if _flash_applies(q_KMD, k_prefix_TKD, v_prefix_TKV):
+    """(out [K, M, V] fp32, lse [K, M] fp32) of M query rows per kv head over all T keys,
+    `chunk_size` prefix keys at a time (one fused call per chunk, LSE-merged in order); T = 0
+    (a rank holding no positions): out 0, lse -inf."""
+    if k_prefix_TKD.shape[0] == 0:
+        dtype = torch.promote_types(q_KMD.dtype, torch.float32)
+        rows = q_KMD.shape[:2]
+        return (
+            q_KMD.new_zeros((*rows, v_prefix_TKV.shape[-1]), dtype=dtype),
+            q_KMD.new_full(rows, float("-inf"), dtype=dtype),
+        )
+    kernel = _prefix_kernel(q_KMD, k_prefix_TKD, v_prefix_TKV)
+    if kernel != dispatch.TORCH:
         out, lse = flash_prefix_partial(
-            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size,
+            q_KMD.unsqueeze(0), k_prefix_TKD, v_prefix_TKV, scale, chunk_size, kernel=kernel,
             site="full_attention.decode",
         )  # fmt: skip
         return out[0], lse[0]
@@ -86,12 +98,15 @@ def decode_attention(
     *,
     scale: float,
     chunk_size: int = _PREFIX_CHUNK,
+    ranks: PrefixRanks | None = None,
 ) -> Tensor:
     """out_BHQV of the Q newest branch queries over [prefix ; branch[: own position + 1]].
 
     The branch K/V may be strided views (the layer's preallocated buffer); the prefix is read
     in place, once, whatever B, `chunk_size` keys at a time (the same grid the replay's prefix
-    attention uses, so a streamed state can hand it one chunk at a time).
+    attention uses, so a streamed state can hand it one chunk at a time). `ranks` (replicated:
+    every rank decodes the same step) as in `prefix_cached_attention`: the prefix is this rank's
+    part of the prompt's, the partials of all parts are merged in rank order.
     """
     b, h, q_len, d = q_BHQD.shape
     k_heads, n = k_branch_BKND.shape[1], k_branch_BKND.shape[2]
@@ -101,12 +116,15 @@ def decode_attention(
     value_dim = v_branch_BKNV.shape[-1]
     q_BKXD = q_BHQD.reshape(b, k_heads, groups * q_len, d)
     out_BKXV, lse_BKX = _branch_partial(q_BKXD, k_branch_BKND, v_branch_BKNV, q_len, scale)
-    if k_prefix_TKD.shape[0] > 0:
+    if k_prefix_TKD.shape[0] > 0 or ranks is not None:
         # Rows in (B, G, Q) order per kv head: one query block that reads the prefix once.
         q_KMD = q_BKXD.transpose(0, 1).reshape(k_heads, b * groups * q_len, d)
         out_KMV, lse_KM = _prefix_partial_folded(
             q_KMD, k_prefix_TKD, v_prefix_TKV, scale, chunk_size
         )
+        if ranks is not None:
+            outs, lses = zip(*ranks.gather(out_KMV, lse_KM), strict=True)
+            out_KMV, lse_KM = merge_partials(list(outs), list(lses))
         out_BKXV, lse_BKX = merge_partial_attention(
             out_KMV.view(k_heads, b, -1, value_dim).transpose(0, 1),
             lse_KM.view(k_heads, b, -1).transpose(0, 1),

@@ -49,3 +49,15 @@ def stable_topk_indices(scores_BST: Tensor, k: int) -> Tensor:
     """[B, S, min(k, T)] int64 positions a stable descending sort puts first (ties to earlier)."""
     order_BST = torch.sort(scores_BST, dim=-1, descending=True, stable=True).indices
     return order_BST[..., : min(k, scores_BST.shape[-1])]
+
+
+def global_topk(candidates_BSC2: Tensor, k: int) -> Tensor:
+    """[B, S, k] int64 ascending positions: the k best of C candidates (score, position) — each
+    part's own top-k of a split set of positions — by (score descending, position ascending).
+    The top-k of a union under a total order is the top-k of the union of each part's top-k, so
+    this is `stable_topk_mask` of all positions."""
+    by_position = candidates_BSC2[..., 1].argsort(dim=-1, stable=True)
+    scores_BSC = candidates_BSC2[..., 0].gather(-1, by_position)
+    positions_BSC = candidates_BSC2[..., 1].gather(-1, by_position)
+    best_BSK = stable_topk_indices(scores_BSC, k)
+    return positions_BSC.gather(-1, best_BSK).sort(dim=-1).values.long()

@@ -21,17 +21,32 @@ the prefix chunk per batch row or per head.
 The forward's kernels are chosen by `longstraw.ops.dispatch`: on CPU PyTorch's fused flash kernel
 computes both partials; on CUDA with flash-attn installed (bf16/fp16) flash-attn computes the
 prefix partial chunk by chunk and the branch partial is the pure-torch loop below; otherwise the
-pure-torch loop computes both. The backward is always the pure-torch one below: flash-attn's
-backward cannot add the prefix dK/dV into an external buffer without materialising a
-prefix-sized tensor. The flash-attn path has not run on a GPU yet.
+pure-torch loop computes both. The backward is PyTorch's fused CPU flash backward for fp32 on
+CPU and the pure-torch loop below otherwise: flash-attn's backward cannot add the prefix dK/dV
+into an external buffer without materialising a prefix-sized tensor. The flash-attn path has
+not run on a GPU yet.
+
+The same op serves one process and the ranks of a sequence group, where each rank holds a
+contiguous part of the prompt's positions (`ranks`, a `PrefixRanks`; None on one process): every
+rank computes the partial attention of the queries over its own positions, the partials are
+gathered and merged in rank order into the prompt's, and the rest is as on one process. The
+backward needs only the global output and log-sum-exp, so each rank adds the dK/dV of its own
+positions into its own cotangent rows and the ranks sum their shares of dq: no rank sees another
+rank's K/V, and what moves is query-sized.
 """
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from longstraw.ops import dispatch
-from longstraw.ops.partial_attention import flash_prefix_partial, merge_partial_attention
+from longstraw.ops.partial_attention import (
+    flash_prefix_partial,
+    merge_partial_attention,
+    merge_partials,
+)
 
 # --------------------------------------------------------------------------------------------
 # Forward pieces. One query chunk arrives pre-scaled (q * scale, so scores need no extra pass)
@@ -153,44 +168,99 @@ def _add_product(acc_KXY: Tensor | None, a_KXZ: Tensor, b_KZY: Tensor) -> Tensor
 _CPU_FLASH = dispatch.CPU_FLASH
 
 
-def _forward_kernel(q_BHRD: Tensor, v_branch_BKRD: Tensor, prefixes: list) -> str:
+class PrefixRanks(Protocol):
+    """The ranks that hold the rest of the prompt prefix, where this process holds a part of it
+    (`longstraw.distributed` builds one per layer; None on one process). The op calls it at
+    four points and computes everything else itself: the partial over the positions this
+    process holds (`prefix_partial`) and their share of the backward (`prefix_backward`), which
+    every other rank computes over its own positions with the same functions."""
+
+    replicated: bool
+    """Every rank runs this same forward (a branch, a decode step); else one rank runs it and
+    the others serve it (a prefill or sweep shard)."""
+
+    def queries_ready(self, q_BHRD: Tensor, scale: float) -> None:
+        """The queries are known, before this rank's partial is computed."""
+
+    def gather(self, out_BXRV: Tensor, lse_BXR: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every rank's (out, lse) of the queries over its positions, this rank's among them,
+        in rank order (in the layout `out` and `lse` have)."""
+
+    def cotangent_ready(self, grad_out_BHRV: Tensor, out_BHRV: Tensor, lse_BHR: Tensor) -> None:
+        """The backward's inputs are known (the global output and log-sum-exp), before this
+        rank's share of the prompt's gradient is computed."""
+
+    def reduce(self, tensors: list[Tensor]) -> None:
+        """Sum `tensors` (the prompt's share of dq) over the ranks, in place."""
+
+
+def _forward_kernel(q_BHRD: Tensor, value_dim: int, kv_dtypes: tuple) -> str:
     """`aten-cpu-flash`: both partials fused; `flash-attn`: the prefix partials by flash-attn,
     the branch by the loop; `torch`: both by the loop (`longstraw.ops.dispatch`)."""
-    kv_dtypes = tuple(t.dtype for k, v, _, _ in prefixes if k.shape[0] > 0 for t in (k, v))
     return dispatch.attention_kernel(
-        q_BHRD.device, q_BHRD.dtype, q_BHRD.shape[-1], v_branch_BKRD.shape[-1],
+        q_BHRD.device, q_BHRD.dtype, q_BHRD.shape[-1], value_dim,
         () if q_BHRD.device.type == "cpu" else kv_dtypes,
     )  # fmt: skip
 
 
-def _flash_forward(
-    q_BHRD: Tensor,
-    k_branch_BKRD: Tensor,
-    v_branch_BKRD: Tensor,
-    prefixes: list[tuple[Tensor, Tensor]],
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """(out_BHRV in fp32, lse_BHR fp32) from the CPU flash kernel's partials, LSE-merged.
+def _compute_dtype(q_BHRD: Tensor) -> torch.dtype:
+    # Accumulate in fp32 for bf16/fp16 inputs; fp64 stays fp64 (lets gradcheck run).
+    return torch.promote_types(q_BHRD.dtype, torch.float32)
 
-    Each prefix chunk of `chunk_size` keys is passed as an expanded [B, K, C, D] view of its
-    [C, K, D] rows of the state (no copy by us); GQA is resolved inside the kernel (query head h
-    reads kv head h // (H // K)). A prefix's chunks merge first to last, then prefixes merge last
-    to first into the branch partial (one prefix of one chunk: merge(prefix, branch)). The fixed
-    chunk grid is what lets a streamed state (`longstraw.engine.state_tiers`) hand the kernel
-    one chunk at a time and still get the resident result bitwise.
-    """
+
+def _prefix_partial_of_kernel(
+    q_BHRD: Tensor, k_TKD, v_TKV, scale: float, chunk_size: int, kernel: str
+) -> tuple[Tensor, Tensor]:
+    """(out_BHRV, lse_BHR) in the compute dtype of the queries over all T keys (T = 0: out 0,
+    lse -inf, no kernel), by `kernel`: one fused call per `chunk_size` keys, merged in order
+    (`flash_prefix_partial`), or the loop's online softmax, per query chunk of `chunk_size`
+    rows as the forward's loop merges them."""
+    batch, num_heads, branch_len, _ = q_BHRD.shape
+    value_dim = v_TKV.shape[-1]
+    if k_TKD.shape[0] > 0 and kernel != dispatch.TORCH:
+        return flash_prefix_partial(q_BHRD, k_TKD, v_TKV, scale, chunk_size, kernel=kernel)
+    dtype = _compute_dtype(q_BHRD)
+    out_BHRV = q_BHRD.new_zeros((batch, num_heads, branch_len, value_dim), dtype=dtype)
+    lse_BHR = q_BHRD.new_full((batch, num_heads, branch_len), float("-inf"), dtype=dtype)
+    if k_TKD.shape[0] == 0:
+        return out_BHRV, lse_BHR
+    dispatch.ran("full_attention.prefix", dispatch.TORCH)
+    num_kv_heads = k_TKD.shape[1]
+    num_groups = num_heads // num_kv_heads
+    out_BKGRV = out_BHRV.view(batch, num_kv_heads, num_groups, branch_len, value_dim)
+    lse_BKGR = lse_BHR.view(batch, num_kv_heads, num_groups, branch_len)
+    for start, end in _query_chunks(branch_len, chunk_size):
+        q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
+        # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
+        out_KMV, lse_KM = _prefix_partial(q_KBND.flatten(1, 2), k_TKD, v_TKV, chunk_size)
+        out_BKGRV[:, :, :, start:end] = _unfold(out_KMV.view(*q_KBND.shape[:3], -1), num_groups)
+        lse_BKGR[:, :, :, start:end] = _unfold(lse_KM.view(*q_KBND.shape[:3], 1), num_groups)[
+            ..., 0
+        ]
+    return out_BHRV, lse_BHR
+
+
+def prefix_partial(
+    q_BHRD: Tensor, k_TKD, v_TKV, *, scale: float, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """(out_BHRV, lse_BHR) fp32 or wider: attention of the queries over all T keys of one
+    prefix (every key visible; T = 0: out 0, lse -inf), with the kernel
+    `prefix_cached_attention` runs for these queries. A rank of a sequence group computes its
+    share of a prompt's attention with it; the shares merge by log-sum-exp (`merge_partials`)."""
+    kernel = _forward_kernel(q_BHRD, v_TKV.shape[-1], (k_TKD.dtype, v_TKV.dtype))
+    return _prefix_partial_of_kernel(q_BHRD, k_TKD, v_TKV, scale, chunk_size, kernel)
+
+
+def _branch_partial_fused(
+    q_BHRD: Tensor, k_branch_BKRD: Tensor, v_branch_BKRD: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(out_BHRV fp32, lse_BHR fp32) of the causal branch part by the CPU flash kernel (GQA
+    resolved inside it: query head h reads kv head h // (H // K))."""
     dispatch.ran("full_attention.branch", dispatch.ATEN_CPU_FLASH)
     out_b, lse_b = _CPU_FLASH(
         q_BHRD, k_branch_BKRD, v_branch_BKRD, 0.0, True, attn_mask=None, scale=scale
     )[:2]
-    out, lse = out_b.float(), lse_b.float()
-    for k_prefix_TKD, v_prefix_TKD in reversed(prefixes):
-        if k_prefix_TKD.shape[0] == 0:
-            continue
-        out_p, lse_p = flash_prefix_partial(q_BHRD, k_prefix_TKD, v_prefix_TKD, scale, chunk_size)
-        out, lse = merge_partial_attention(out_p, lse_p, out, lse)
-    return out, lse
+    return out_b.float(), lse_b.float()
 
 
 def _prefixes(k_TKD, v_TKD, grad_k_TKD, grad_v_TKD, extra_prefix) -> list[tuple]:
@@ -202,6 +272,27 @@ def _prefixes(k_TKD, v_TKD, grad_k_TKD, grad_v_TKD, extra_prefix) -> list[tuple]
     return prefixes
 
 
+def _prefix_partials(
+    q_BHRD: Tensor, prefixes: list, scale: float, chunk_size: int, kernel: str, ranks
+) -> list[tuple[Tensor, Tensor] | None]:
+    """Each prefix's (out_BHRV, lse_BHR) over all queries (None: no keys): the prompt's merged
+    over the ranks that hold it (`ranks`), in rank order."""
+    partials: list[tuple[Tensor, Tensor] | None] = []
+    for i, (k_TKD, v_TKD, _, _) in enumerate(prefixes):
+        if i == 0 and ranks is not None:
+            ranks.queries_ready(q_BHRD, scale)
+            own = _prefix_partial_of_kernel(q_BHRD, k_TKD, v_TKD, scale, chunk_size, kernel)
+            outs, lses = zip(*ranks.gather(*own), strict=True)
+            partials.append(merge_partials(list(outs), list(lses)))
+        elif k_TKD.shape[0] == 0:
+            partials.append(None)
+        else:
+            partials.append(
+                _prefix_partial_of_kernel(q_BHRD, k_TKD, v_TKD, scale, chunk_size, kernel)
+            )
+    return partials
+
+
 def _attention_outputs(
     q_BHRD: Tensor,
     k_branch_BKRD: Tensor,
@@ -209,63 +300,48 @@ def _attention_outputs(
     prefixes: list,
     scale: float,
     chunk_size: int,
+    ranks: PrefixRanks | None,
 ) -> tuple[Tensor, Tensor]:
     """(out_BHRV in q's dtype, lse_BKGR fp32 or wider) of the branch queries over every prefix
-    of `prefixes` ((k, v, grad_k, grad_v) each) and the branch keys, causally."""
+    of `prefixes` ((k, v, grad_k, grad_v) each) and the branch keys, causally.
+
+    Each prefix's partial is computed over all queries first (`_prefix_partials`, on the fixed
+    chunk grid a streamed state is read on), then merged into the branch partial, prefixes last
+    to first (one prefix: merge(prefix, branch)): by the CPU flash kernel the branch partial of
+    all queries at once, otherwise query chunk by query chunk with the loop's."""
     batch, num_heads, branch_len, _ = q_BHRD.shape
     num_kv_heads = k_branch_BKRD.shape[1]
     num_groups = num_heads // num_kv_heads
     value_dim = v_branch_BKRD.shape[-1]
-    # Accumulate in fp32 for bf16/fp16 inputs; fp64 stays fp64 (lets gradcheck run).
-    dtype = torch.promote_types(q_BHRD.dtype, torch.float32)
+    dtype = _compute_dtype(q_BHRD)
+    kv_dtypes = tuple(t.dtype for k, v, _, _ in prefixes if k.shape[0] > 0 for t in (k, v))
+    kernel = _forward_kernel(q_BHRD, value_dim, kv_dtypes)
+    partials = _prefix_partials(q_BHRD, prefixes, scale, chunk_size, kernel, ranks)
+    if kernel == dispatch.ATEN_CPU_FLASH:
+        out, lse = _branch_partial_fused(q_BHRD, k_branch_BKRD, v_branch_BKRD, scale)
+        for partial in reversed(partials):
+            if partial is not None:
+                out, lse = merge_partial_attention(*partial, out, lse)
+        shape = (batch, num_kv_heads, num_groups, branch_len)
+        return out.to(q_BHRD.dtype), lse.view(shape)
+
+    dispatch.ran("full_attention.branch", dispatch.TORCH)
     k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
     v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
-
     out_BKGRV = q_BHRD.new_empty(
         (batch, num_kv_heads, num_groups, branch_len, value_dim), dtype=dtype
     )
     lse_BKGR = q_BHRD.new_empty((batch, num_kv_heads, num_groups, branch_len), dtype=dtype)
-    kernel = _forward_kernel(q_BHRD, v_branch_BKRD, prefixes)
-    use_flash = kernel == dispatch.ATEN_CPU_FLASH
-    if use_flash:
-        out_BHRV32, lse_BHR = _flash_forward(
-            q_BHRD, k_branch_BKRD, v_branch_BKRD, [p[:2] for p in prefixes], scale, chunk_size
-        )
-        out_BKGRV = out_BHRV32.view(out_BKGRV.shape)
-        lse_BKGR = lse_BHR.view(lse_BKGR.shape)
-    else:
-        dispatch.ran("full_attention.branch", dispatch.TORCH)
-    # flash-attn: each prefix's partial over all queries at once ([B, H, R, V] fp32), merged
-    # into every query chunk's branch partial below in the loop's order.
-    gpu_partials = {}
-    if kernel == dispatch.FLASH_ATTN:
-        for i, (k_p_TKD, v_p_TKD, _, _) in enumerate(prefixes):
-            if k_p_TKD.shape[0] > 0:
-                gpu_partials[i] = flash_prefix_partial(q_BHRD, k_p_TKD, v_p_TKD, scale, chunk_size)
-    elif not use_flash:
-        dispatch.ran("full_attention.prefix", dispatch.TORCH)
-    for start, end in [] if use_flash else _query_chunks(branch_len, chunk_size):
+    for start, end in _query_chunks(branch_len, chunk_size):
         q_KBND = _fold(q_BHRD, num_kv_heads, start, end, dtype) * scale
         out_KBNV, lse_KBN = _branch_partial(q_KBND, k_KBRD, v_KBRV, start, end, chunk_size)
-        for i in reversed(range(len(prefixes))):
-            k_p_TKD, v_p_TKD = prefixes[i][:2]
-            if k_p_TKD.shape[0] == 0:
+        for partial in reversed(partials):
+            if partial is None:
                 continue
-            if i in gpu_partials:
-                out_p_BHRV, lse_p_BHR = gpu_partials[i]
-                out_p_KBNV = _fold(out_p_BHRV, num_kv_heads, start, end, dtype)
-                lse_p_KBN = _fold(lse_p_BHR[..., None], num_kv_heads, start, end, dtype)[..., 0]
-                out_KBNV, lse_KBN = merge_partial_attention(
-                    out_p_KBNV, lse_p_KBN, out_KBNV, lse_KBN
-                )
-                continue
-            # All B * G rows of a kv head read the same prefix head: one [M, D] matrix.
-            out_p_KMV, lse_p_KM = _prefix_partial(
-                q_KBND.flatten(1, 2), k_p_TKD, v_p_TKD, chunk_size
-            )
-            out_KBNV, lse_KBN = merge_partial_attention(
-                out_p_KMV.view(out_KBNV.shape), lse_p_KM.view(lse_KBN.shape), out_KBNV, lse_KBN
-            )
+            out_p_BHRV, lse_p_BHR = partial
+            out_p_KBNV = _fold(out_p_BHRV, num_kv_heads, start, end, dtype)
+            lse_p_KBN = _fold(lse_p_BHR[..., None], num_kv_heads, start, end, dtype)[..., 0]
+            out_KBNV, lse_KBN = merge_partial_attention(out_p_KBNV, lse_p_KBN, out_KBNV, lse_KBN)
         out_BKGRV[:, :, :, start:end] = _unfold(out_KBNV, num_groups)
         lse_BKGR[:, :, :, start:end] = _unfold(lse_KBN[..., None], num_groups)[..., 0]
 
@@ -278,66 +354,209 @@ def _attention_outputs(
 _CPU_FLASH_BACKWARD = dispatch.CPU_FLASH_BACKWARD
 
 
-def _flash_backward(
-    grad_out_BHRV: Tensor,
-    q_BHRD: Tensor,
-    k_branch_BKRD: Tensor,
-    v_branch_BKRD: Tensor,
-    out_BHRV: Tensor,
-    lse_BHR: Tensor,
-    prefixes: list,
-    scale: float,
-    chunk_size: int,
-) -> tuple:
+class _FusedBackward:
     """The backward by PyTorch's fused CPU kernel (fp32): one call per `chunk_size` prefix keys,
     on the same grid as the forward (a streamed state hands one chunk at a time), each prefix's
     dK/dV added into its buffers (summed over batch rows), then one causal call over the
     branch. Every call rebuilds its scores inside the kernel, block by block; nothing
     prefix- or [queries, keys]-sized is allocated."""
-    batch = q_BHRD.shape[0]
-    grad_out_BHRV = grad_out_BHRV.contiguous()
-    grad_q_BHRD = None
-    for k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD in prefixes:
+
+    def __init__(self, grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, scale, chunk_size):
+        self.grad_out_BHRV = grad_out_BHRV.contiguous()
+        self.q_BHRD, self.out_BHRV, self.lse_BHR = q_BHRD, out_BHRV, lse_BHR
+        self.scale, self.chunk_size = scale, chunk_size
+        self.grad_q_BHRD: Tensor | None = None
+
+    def _call(self, k_BKXD: Tensor, v_BKXV: Tensor, causal: bool) -> tuple:
+        return _CPU_FLASH_BACKWARD(
+            self.grad_out_BHRV, self.q_BHRD, k_BKXD, v_BKXV, self.out_BHRV, self.lse_BHR,
+            0.0, causal, attn_mask=None, scale=self.scale,
+        )  # fmt: skip
+
+    def _add_grad_q(self, grad_q_BHRD: Tensor) -> None:
+        if self.grad_q_BHRD is None:
+            self.grad_q_BHRD = grad_q_BHRD
+        else:
+            self.grad_q_BHRD.add_(grad_q_BHRD)
+
+    def add_prefix(self, k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD) -> None:
+        q_BHRD, chunk_size = self.q_BHRD, self.chunk_size
+        batch = q_BHRD.shape[0]
         for key_start in range(0, k_prefix_TKD.shape[0], chunk_size):
             key_end = min(key_start + chunk_size, k_prefix_TKD.shape[0])
             k_BKCD = k_prefix_TKD[key_start:key_end].to(q_BHRD.dtype).permute(1, 0, 2)[None]
             v_BKCV = v_prefix_TKD[key_start:key_end].to(q_BHRD.dtype).permute(1, 0, 2)[None]
-            grad_q_c, grad_k_BKCD, grad_v_BKCV = _CPU_FLASH_BACKWARD(
-                grad_out_BHRV,
-                q_BHRD,
-                k_BKCD.expand(batch, -1, -1, -1),
-                v_BKCV.expand(batch, -1, -1, -1),
-                out_BHRV,
-                lse_BHR,
-                0.0,
-                False,
-                attn_mask=None,
-                scale=scale,
+            grad_q_c, grad_k_BKCD, grad_v_BKCV = self._call(
+                k_BKCD.expand(batch, -1, -1, -1), v_BKCV.expand(batch, -1, -1, -1), False
             )
-            grad_q_BHRD = grad_q_c if grad_q_BHRD is None else grad_q_BHRD.add_(grad_q_c)
+            self._add_grad_q(grad_q_c)
             if grad_k_TKD is not None:
                 grad_k_TKD[key_start:key_end].add_(grad_k_BKCD.sum(0).transpose(0, 1))
             if grad_v_TKD is not None:
                 grad_v_TKD[key_start:key_end].add_(grad_v_BKCV.sum(0).transpose(0, 1))
-    grad_q_b, grad_k_BKRD, grad_v_BKRV = _CPU_FLASH_BACKWARD(
-        grad_out_BHRV,
-        q_BHRD,
-        k_branch_BKRD,
-        v_branch_BKRD,
-        out_BHRV,
-        lse_BHR,
-        0.0,
-        True,
-        attn_mask=None,
-        scale=scale,
+
+    def reduce(self, ranks: PrefixRanks) -> None:
+        if self.grad_q_BHRD is None:
+            self.grad_q_BHRD = torch.zeros_like(self.q_BHRD)
+        ranks.reduce([self.grad_q_BHRD])
+
+    def finish(self, k_branch_BKRD: Tensor, v_branch_BKRD: Tensor) -> tuple[Tensor, ...]:
+        """(dq, dk_branch, dv_branch) with the branch's part added."""
+        grad_q_b, grad_k_BKRD, grad_v_BKRV = self._call(k_branch_BKRD, v_branch_BKRD, True)
+        self._add_grad_q(grad_q_b)
+        return (
+            self.grad_q_BHRD.to(self.q_BHRD.dtype),
+            grad_k_BKRD.to(k_branch_BKRD.dtype),
+            grad_v_BKRV.to(v_branch_BKRD.dtype),
+        )
+
+
+class _LoopBackward:
+    """LongStraw's backward loop (any dtype, any device), FlashAttention-2's algorithm per query
+    chunk in the [K, B, N, X] layout of the forward; q pre-scaled as there. Query chunks are at
+    most `BACKWARD_QUERY_CHUNK` rows: the backward holds about four [K, B * G * rows,
+    chunk_size] score blocks at once, which for the thousands of queries of a recomputed prefill
+    shard would otherwise be the largest thing in the sweep."""
+
+    def __init__(self, grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, scale, chunk_size, num_kv_heads):
+        batch, num_heads, branch_len, _ = q_BHRD.shape
+        self.q_BHRD, self.scale, self.chunk_size = q_BHRD, scale, chunk_size
+        self.num_kv_heads, self.num_groups = num_kv_heads, num_heads // num_kv_heads
+        self.dtype = dtype = lse_BHR.dtype
+        lse_BHR1 = lse_BHR.view(batch, num_heads, branch_len, 1)
+        self.chunks = _query_chunks(branch_len, min(chunk_size, BACKWARD_QUERY_CHUNK))
+        self.q_chunks, self.grad_out_chunks, self.lse_chunks, self.delta_chunks = [], [], [], []
+        for start, end in self.chunks:
+            self.q_chunks.append(_fold(q_BHRD, num_kv_heads, start, end, dtype) * scale)
+            grad_out_KBNV = _fold(grad_out_BHRV, num_kv_heads, start, end, dtype)
+            out_KBNV = _fold(out_BHRV, num_kv_heads, start, end, dtype)
+            self.grad_out_chunks.append(grad_out_KBNV)
+            self.lse_chunks.append(_fold(lse_BHR1, num_kv_heads, start, end, dtype))
+            # FlashAttention-2: dS = P * (dP - rowsum(dO * O)) with the GLOBAL softmax (lse).
+            self.delta_chunks.append((grad_out_KBNV * out_KBNV).sum(dim=-1, keepdim=True))
+        # Accumulates dL/d(scaled scores) @ K; times `scale` at the end gives dq.
+        self.grad_q_chunks = [torch.zeros_like(q_KBND) for q_KBND in self.q_chunks]
+
+    def add_prefix(self, k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD) -> None:
+        dtype, chunk_size = self.dtype, self.chunk_size
+        prefix_len = k_prefix_TKD.shape[0]
+        for key_start in range(0, prefix_len, chunk_size):
+            key_end = min(key_start + chunk_size, prefix_len)
+            k_KCD = k_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
+            v_KCV = v_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
+            grad_k_KCD = grad_v_KCV = None
+            for i in range(len(self.chunks)):
+                # Flattening B into the rows sums the shared prefix's gradient over batch rows
+                # and the heads of each kv group inside the bmm.
+                q_KMD = self.q_chunks[i].flatten(1, 2)
+                grad_out_KMV = self.grad_out_chunks[i].flatten(1, 2)
+                probs_KMC = (q_KMD @ k_KCD.transpose(-1, -2)).sub_(self.lse_chunks[i].flatten(1, 2))
+                probs_KMC.exp_()
+                grad_scores_KMC = (grad_out_KMV @ v_KCV.transpose(-1, -2)).sub_(
+                    self.delta_chunks[i].flatten(1, 2)
+                )
+                grad_scores_KMC.mul_(probs_KMC)
+                # view(), not flatten(): it must fail rather than add into a copy.
+                self.grad_q_chunks[i].view(q_KMD.shape).baddbmm_(grad_scores_KMC, k_KCD)
+                if grad_v_TKD is not None:
+                    grad_v_KCV = _add_product(grad_v_KCV, probs_KMC.transpose(-1, -2), grad_out_KMV)
+                if grad_k_TKD is not None:
+                    grad_k_KCD = _add_product(grad_k_KCD, grad_scores_KMC.transpose(-1, -2), q_KMD)
+            if grad_k_KCD is not None:
+                grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
+            if grad_v_KCV is not None:
+                grad_v_TKD[key_start:key_end].add_(grad_v_KCV.transpose(0, 1))
+
+    def reduce(self, ranks: PrefixRanks) -> None:
+        ranks.reduce(self.grad_q_chunks)
+
+    def finish(self, k_branch_BKRD: Tensor, v_branch_BKRD: Tensor) -> tuple[Tensor, ...]:
+        """(dq, dk_branch, dv_branch) with the branch's causal part added."""
+        dtype, chunks = self.dtype, self.chunks
+        k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
+        v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
+        grad_k_KBRD = torch.zeros_like(k_KBRD)
+        grad_v_KBRV = torch.zeros_like(v_KBRV)
+        for key_start, key_end in chunks:
+            k_KBCD = k_KBRD[:, :, key_start:key_end]
+            v_KBCV = v_KBRV[:, :, key_start:key_end]
+            for i, (start, end) in enumerate(chunks):
+                if end <= key_start:
+                    continue  # every key of this chunk is in the future of these queries
+                q_KBND, grad_out_KBNV = self.q_chunks[i], self.grad_out_chunks[i]
+                scores_KBNC = q_KBND @ k_KBCD.transpose(-1, -2)
+                if key_end - 1 > start:
+                    hidden_NC = _hidden_NC(
+                        start, end, key_start, key_end, self.num_groups, q_KBND.device
+                    )
+                    scores_KBNC.masked_fill_(hidden_NC, float("-inf"))
+                probs_KBNC = scores_KBNC.sub_(self.lse_chunks[i]).exp_()
+                grad_scores_KBNC = (grad_out_KBNV @ v_KBCV.transpose(-1, -2)).sub_(
+                    self.delta_chunks[i]
+                )
+                grad_scores_KBNC.mul_(probs_KBNC)
+                self.grad_q_chunks[i].add_(grad_scores_KBNC @ k_KBCD)
+                grad_v_KBRV[:, :, key_start:key_end].add_(
+                    probs_KBNC.transpose(-1, -2) @ grad_out_KBNV
+                )
+                grad_k_KBRD[:, :, key_start:key_end].add_(
+                    grad_scores_KBNC.transpose(-1, -2) @ q_KBND
+                )
+        q_BHRD = self.q_BHRD
+        grad_q_BKGRD = torch.cat([_unfold(g, self.num_groups) for g in self.grad_q_chunks], dim=3)
+        grad_q_BHRD = (grad_q_BKGRD.reshape(q_BHRD.shape) * self.scale).to(q_BHRD.dtype)
+        return (
+            grad_q_BHRD,
+            grad_k_KBRD.transpose(0, 1).to(k_branch_BKRD.dtype),
+            grad_v_KBRV.transpose(0, 1).to(v_branch_BKRD.dtype),
+        )
+
+
+def _backward(
+    grad_out_BHRV: Tensor,
+    q_BHRD: Tensor,
+    out_BHRV: Tensor,
+    lse_BHR: Tensor,
+    num_kv_heads: int,
+    scale: float,
+    chunk_size: int,
+) -> _FusedBackward | _LoopBackward:
+    """The backward of these inputs, to which each prefix's and the branch's part is added:
+    the fused CPU kernel for fp32 on CPU, else LongStraw's loop (`longstraw.ops.dispatch`)."""
+    kernel = dispatch.ran(
+        "full_attention.backward",
+        dispatch.attention_backward_kernel(
+            q_BHRD.device, out_BHRV.dtype, q_BHRD.shape[-1], out_BHRV.shape[-1]
+        ),
     )
-    grad_q_BHRD = grad_q_b if grad_q_BHRD is None else grad_q_BHRD.add_(grad_q_b)
-    return (
-        grad_q_BHRD.to(q_BHRD.dtype),
-        grad_k_BKRD.to(k_branch_BKRD.dtype),
-        grad_v_BKRV.to(v_branch_BKRD.dtype),
-        *[None] * 8,  # prefix K/V, scale, chunk size, gradient buffers, extra prefix, outputs
+    if kernel == dispatch.ATEN_CPU_FLASH:
+        return _FusedBackward(grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, scale, chunk_size)
+    return _LoopBackward(grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, scale, chunk_size, num_kv_heads)
+
+
+def prefix_backward(
+    grad_out_BHRV: Tensor,
+    q_BHRD: Tensor,
+    out_BHRV: Tensor,
+    lse_BHR: Tensor,
+    k_TKD,
+    v_TKV,
+    *,
+    scale: float,
+    chunk_size: int,
+    grad_k_TKD: Tensor | None,
+    grad_v_TKV: Tensor | None,
+    ranks: PrefixRanks,
+) -> None:
+    """A serving rank's share of a prompt attention's backward, given the global output and
+    log-sum-exp (FlashAttention-2): ADDS dK/dV of its positions into the fp32 buffers and sums
+    its share of dq over the ranks (`ranks.reduce`), computed as `prefix_cached_attention`'s
+    backward computes the share of the positions its rank holds."""
+    backward = _backward(
+        grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, k_TKD.shape[1], scale, chunk_size
     )
+    backward.add_prefix(k_TKD, v_TKV, grad_k_TKD, grad_v_TKV)
+    backward.reduce(ranks)
 
 
 class _PrefixCachedAttention(torch.autograd.Function):
@@ -355,13 +574,14 @@ class _PrefixCachedAttention(torch.autograd.Function):
         prefix_grad_v_TKD: Tensor | None,
         extra_prefix: tuple | None = None,
         outputs: tuple[Tensor, Tensor] | None = None,
+        ranks: PrefixRanks | None = None,
     ) -> Tensor:
         prefixes = _prefixes(
             k_prefix_TKD, v_prefix_TKD, prefix_grad_k_TKD, prefix_grad_v_TKD, extra_prefix
         )
         if outputs is None:
             out_BHRV, lse_BKGR = _attention_outputs(
-                q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, scale, chunk_size
+                q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, scale, chunk_size, ranks
             )
         else:
             out_BHRV, lse_BKGR = outputs
@@ -372,6 +592,7 @@ class _PrefixCachedAttention(torch.autograd.Function):
         ctx.prefix_versions = [(k._version, v._version) for k, v, _, _ in prefixes]
         ctx.scale = scale
         ctx.chunk_size = chunk_size
+        ctx.ranks = ranks
         return out_BHRV
 
     @staticmethod
@@ -385,109 +606,24 @@ class _PrefixCachedAttention(torch.autograd.Function):
                 "prefix K/V were modified in place between forward and backward of "
                 "prefix_cached_attention; the prompt state must stay frozen while a branch graph lives"
             )
-        scale, chunk_size = ctx.scale, ctx.chunk_size
-        batch, num_heads, branch_len, _ = q_BHRD.shape
-        kernel = dispatch.ran(
-            "full_attention.backward",
-            dispatch.attention_backward_kernel(
-                q_BHRD.device, out_BHRV.dtype, q_BHRD.shape[-1], out_BHRV.shape[-1]
-            ),
-        )
-        if kernel == dispatch.ATEN_CPU_FLASH:
-            return _flash_backward(
-                grad_out_BHRV, q_BHRD, k_branch_BKRD, v_branch_BKRD, out_BHRV,
-                lse_BKGR.view(batch, num_heads, branch_len), ctx.prefixes, scale, chunk_size,
-            )  # fmt: skip
-        num_kv_heads = k_branch_BKRD.shape[1]
-        num_groups = num_heads // num_kv_heads
-        dtype = lse_BKGR.dtype
-        lse_BHR1 = lse_BKGR.view(batch, num_heads, branch_len, 1)
-
-        # Per query chunk, in the [K, B, N, X] layout of the forward; q pre-scaled as there.
-        # Query chunks are at most BACKWARD_QUERY_CHUNK rows: the backward holds about four
-        # [K, B * G * rows, chunk_size] score blocks at once, which for the thousands of queries
-        # of a recomputed prefill shard would otherwise be the largest thing in the sweep.
-        chunks = _query_chunks(branch_len, min(chunk_size, BACKWARD_QUERY_CHUNK))
-        q_chunks, grad_out_chunks, lse_chunks, delta_chunks = [], [], [], []
-        for start, end in chunks:
-            q_chunks.append(_fold(q_BHRD, num_kv_heads, start, end, dtype) * scale)
-            grad_out_KBNV = _fold(grad_out_BHRV, num_kv_heads, start, end, dtype)
-            out_KBNV = _fold(out_BHRV, num_kv_heads, start, end, dtype)
-            grad_out_chunks.append(grad_out_KBNV)
-            lse_chunks.append(_fold(lse_BHR1, num_kv_heads, start, end, dtype))
-            # FlashAttention-2: dS = P * (dP - rowsum(dO * O)) with the GLOBAL softmax (lse).
-            delta_chunks.append((grad_out_KBNV * out_KBNV).sum(dim=-1, keepdim=True))
-        # Accumulates dL/d(scaled scores) @ K; times `scale` at the end gives dq.
-        grad_q_chunks = [torch.zeros_like(q_KBND) for q_KBND in q_chunks]
-
-        for k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD in ctx.prefixes:
-            prefix_len = k_prefix_TKD.shape[0]
-            for key_start in range(0, prefix_len, chunk_size):
-                key_end = min(key_start + chunk_size, prefix_len)
-                k_KCD = k_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
-                v_KCV = v_prefix_TKD[key_start:key_end].to(dtype).transpose(0, 1)
-                grad_k_KCD = grad_v_KCV = None
-                for i in range(len(chunks)):
-                    # Flattening B into the rows sums the shared prefix's gradient over batch rows
-                    # and the heads of each kv group inside the bmm.
-                    q_KMD = q_chunks[i].flatten(1, 2)
-                    grad_out_KMV = grad_out_chunks[i].flatten(1, 2)
-                    probs_KMC = (q_KMD @ k_KCD.transpose(-1, -2)).sub_(lse_chunks[i].flatten(1, 2))
-                    probs_KMC.exp_()
-                    grad_scores_KMC = (grad_out_KMV @ v_KCV.transpose(-1, -2)).sub_(
-                        delta_chunks[i].flatten(1, 2)
-                    )
-                    grad_scores_KMC.mul_(probs_KMC)
-                    # view(), not flatten(): it must fail rather than add into a copy.
-                    grad_q_chunks[i].view(q_KMD.shape).baddbmm_(grad_scores_KMC, k_KCD)
-                    if grad_v_TKD is not None:
-                        grad_v_KCV = _add_product(
-                            grad_v_KCV, probs_KMC.transpose(-1, -2), grad_out_KMV
-                        )
-                    if grad_k_TKD is not None:
-                        grad_k_KCD = _add_product(
-                            grad_k_KCD, grad_scores_KMC.transpose(-1, -2), q_KMD
-                        )
-                if grad_k_KCD is not None:
-                    grad_k_TKD[key_start:key_end].add_(grad_k_KCD.transpose(0, 1))
-                if grad_v_KCV is not None:
-                    grad_v_TKD[key_start:key_end].add_(grad_v_KCV.transpose(0, 1))
-
-        k_KBRD = _kv_head_major(k_branch_BKRD, dtype)
-        v_KBRV = _kv_head_major(v_branch_BKRD, dtype)
-        grad_k_KBRD = torch.zeros_like(k_KBRD)
-        grad_v_KBRV = torch.zeros_like(v_KBRV)
-        for key_start, key_end in chunks:
-            k_KBCD = k_KBRD[:, :, key_start:key_end]
-            v_KBCV = v_KBRV[:, :, key_start:key_end]
-            for i, (start, end) in enumerate(chunks):
-                if end <= key_start:
-                    continue  # every key of this chunk is in the future of these queries
-                q_KBND, grad_out_KBNV = q_chunks[i], grad_out_chunks[i]
-                scores_KBNC = q_KBND @ k_KBCD.transpose(-1, -2)
-                if key_end - 1 > start:
-                    hidden_NC = _hidden_NC(
-                        start, end, key_start, key_end, num_groups, q_BHRD.device
-                    )
-                    scores_KBNC.masked_fill_(hidden_NC, float("-inf"))
-                probs_KBNC = scores_KBNC.sub_(lse_chunks[i]).exp_()
-                grad_scores_KBNC = (grad_out_KBNV @ v_KBCV.transpose(-1, -2)).sub_(delta_chunks[i])
-                grad_scores_KBNC.mul_(probs_KBNC)
-                grad_q_chunks[i].add_(grad_scores_KBNC @ k_KBCD)
-                grad_v_KBRV[:, :, key_start:key_end].add_(
-                    probs_KBNC.transpose(-1, -2) @ grad_out_KBNV
-                )
-                grad_k_KBRD[:, :, key_start:key_end].add_(
-                    grad_scores_KBNC.transpose(-1, -2) @ q_KBND
-                )
-
-        grad_q_BKGRD = torch.cat([_unfold(g, num_groups) for g in grad_q_chunks], dim=3)
-        grad_q_BHRD = (grad_q_BKGRD.reshape(q_BHRD.shape) * scale).to(q_BHRD.dtype)
+        ranks = ctx.ranks
+        lse_BHR = lse_BKGR.view(q_BHRD.shape[:3])
+        backward = _backward(
+            grad_out_BHRV, q_BHRD, out_BHRV, lse_BHR, k_branch_BKRD.shape[1], ctx.scale,
+            ctx.chunk_size,
+        )  # fmt: skip
+        for i, (k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD) in enumerate(ctx.prefixes):
+            # The prompt's share of dq is summed over the ranks that hold it; a branch's earlier
+            # segments are the same on every rank, each adds their gradient itself.
+            if i == 0 and ranks is not None:
+                ranks.cotangent_ready(grad_out_BHRV, out_BHRV, lse_BHR)
+            backward.add_prefix(k_prefix_TKD, v_prefix_TKD, grad_k_TKD, grad_v_TKD)
+            if i == 0 and ranks is not None:
+                backward.reduce(ranks)
         return (
-            grad_q_BHRD,
-            grad_k_KBRD.transpose(0, 1).to(k_branch_BKRD.dtype),
-            grad_v_KBRV.transpose(0, 1).to(v_branch_BKRD.dtype),
-            *[None] * 8,  # prefix K/V, scale, chunk size, gradient buffers, extra prefix, outputs
+            *backward.finish(k_branch_BKRD, v_branch_BKRD),
+            # prefix K/V, scale, chunk size, gradient buffers, extra prefix, outputs, ranks
+            *[None] * 9,
         )
 
 
@@ -591,6 +727,7 @@ def prefix_cached_attention(
     prefix_grad_v_TKD: Tensor | None = None,
     extra_prefix: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None,
     outputs: tuple[Tensor, Tensor] | None = None,
+    ranks: PrefixRanks | None = None,
 ) -> Tensor:
     """Softmax attention of branch queries over [prefix ; branch]; returns out_BHRV in q's dtype.
 
@@ -611,6 +748,9 @@ def prefix_cached_attention(
     `outputs`: what `prefix_attention_outputs` gave for these same inputs (a checkpointed layer
     recomputed in backward); the forward then keeps them for backward instead of computing them
     again.
+
+    `ranks`: the prefix given is this rank's part of the prompt's (maybe empty), the rest is held
+    by the other ranks of `ranks` (see `PrefixRanks`); `extra_prefix` is this rank's own.
     """
     if extra_prefix is not None:
         k2, v2, grad_k2, grad_v2 = extra_prefix
@@ -637,6 +777,7 @@ def prefix_cached_attention(
         prefix_grad_v_TKD,
         extra_prefix,
         outputs,
+        ranks,
     )
 
 
@@ -651,10 +792,11 @@ def prefix_attention_outputs(
     scale: float,
     chunk_size: int = 1024,
     extra_prefix: tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None = None,
+    ranks: PrefixRanks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out_BHRV in q's dtype, lse_BKGR) of `prefix_cached_attention` on the same inputs, without
     autograd: what its forward computes and keeps for backward."""
     prefixes = _prefixes(k_prefix_TKD, v_prefix_TKD, None, None, extra_prefix)
     return _attention_outputs(
-        q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, float(scale), chunk_size
+        q_BHRD, k_branch_BKRD, v_branch_BKRD, prefixes, float(scale), chunk_size, ranks
     )

@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from longstraw.distributed.stage_group import active_group
-from longstraw.engine.group import GradBuffer
 from longstraw.errors import UserError
 from longstraw.grpo.optim import PolicyOptimizer
 from longstraw.models.checkpoint import load_checkpoint, read_checkpoint_metadata
@@ -27,12 +25,12 @@ from longstraw.storage.checkpoints import (
     TRAINER_STATE,
     checkpoint_ref,
     latest_valid_checkpoint,
-    load_optimizer_rows,
     local_root,
     run_dir,
     run_started,
     valid_checkpoint,
 )
+from longstraw.training.policy_storage import PolicyStorage, hold_policy
 from longstraw.training.prompts import eval_prompt_source, run_prompt_source
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,7 +43,9 @@ class RunContext:
     config: RunConfig
     model: PreTrainedModel
     tokenizer: object
-    optimizer: PolicyOptimizer
+    policy_storage: PolicyStorage
+    """Where this process holds the policy: whole, or its rows of it sharded over the run's ranks
+    (`training.policy_storage`); it gathers, stores gradients, steps and checkpoints them."""
     source: object
     checkpoint: CheckpointRef
     """The committed checkpoint these weights start from (the run's start model at first)."""
@@ -58,9 +58,6 @@ class RunContext:
     """Optimizer updates applied so far."""
     eval_source: object | None = None
     """The held-out prompts of `eval.data` (`training.evaluation`), None without them."""
-    weights: object | None = None
-    """`distributed.sharded_policy.ShardedWeights` when the policy is sharded at rest over the
-    run's ranks (`parallel.world_size > 1`), else None (one process holds it whole)."""
     reference_model: PreTrainedModel | None = None
     """The reference loaded beside the policy (`model.reference_checkpoint`, or the initial
     checkpoint of a full-parameter run) when beta > 0; None otherwise, and for a LoRA run, whose
@@ -87,11 +84,15 @@ class RunContext:
             f"{self.checkpoint.weights_digest}:{self.policy_version}".encode()
         ).hexdigest()
 
+    @property
+    def optimizer(self) -> PolicyOptimizer:
+        """AdamW over what this process steps (`PolicyStorage.optimizer`)."""
+        return self.policy_storage.optimizer
+
     def gather_weights(self) -> PreTrainedModel:
         """The model, ready to compute: a sharded policy's parameters are all-gathered
         (collective; a no-op when they are, or when one process holds the policy)."""
-        if self.weights is not None:
-            self.weights.gather()
+        self.policy_storage.gather()
         return self.model
 
     @property
@@ -109,11 +110,6 @@ class RunContext:
         assert self.base_weights_digest is not None and self.has_reference
         with self.model.disable_adapter():
             yield self.model
-
-    @property
-    def rank(self) -> int | None:
-        """This process's rank when the policy is sharded over ranks, else None."""
-        return None if self.weights is None else self.weights.layout.seq_rank
 
     @property
     def run_path(self) -> Path:
@@ -213,8 +209,6 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     updates in order (bitwise the weights of the process that made them). A LoRA run
     (`model.lora`) loads its frozen base and puts on it the adapters of its checkpoint, or fresh
     ones at the run's start."""
-    from longstraw.storage.artifacts import read_grads
-
     if policy.run_id != config.run_id:
         raise ValueError(f"policy of run {policy.run_id!r} given with config of {config.run_id!r}")
     path = Path(policy.checkpoint.uri.removeprefix("file://"))
@@ -238,43 +232,24 @@ def load_policy(config: RunConfig, policy: PolicyRef) -> RunContext:
     else:
         model, tokenizer, meta, base_digest = _load_lora_policy(config, policy, path, dtype)
     model.to(model_device(config))
-    num_steps = config.train.num_steps * config.grpo.num_iterations
-    weights, rows = None, None
-    if active_group() is None:
-        optimizer = PolicyOptimizer(model, config.grpo, num_steps=num_steps)
-    else:
-        from longstraw.distributed.sharded_policy import local_shards, shard_policy
-
-        weights = shard_policy(model)
-        optimizer = PolicyOptimizer.over_local_shards(
-            local_shards(model),
-            config.grpo,
-            num_steps=num_steps,
-            sum_over_ranks=weights.sum_over_ranks,
-        )
-
-        def rows(key: str, dim0: int) -> tuple[int, int]:
-            return weights.rows(dim0)
-
+    storage = hold_policy(model, config)
     if not policy.checkpoint_is_run_start:
-        optimizer.load_state_tensors(load_optimizer_rows(path, rows))
+        storage.load_optimizer(path)
     ctx = RunContext(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        optimizer=optimizer,
+        policy_storage=storage,
         source=run_prompt_source(config, tokenizer),
         eval_source=eval_prompt_source(config, tokenizer),
         checkpoint=policy.checkpoint,
         checkpoint_is_run_start=policy.checkpoint_is_run_start,
         step=policy.step,
         policy_version=meta.policy_version,
-        weights=weights,
         base_weights_digest=base_digest,
     )
     for update in policy.updates:
-        grads = GradBuffer.from_tensors(read_grads(update, model_device(config), rank=ctx.rank))
-        ctx.optimizer.apply(grads)
+        storage.apply(update)
         ctx.policy_version += 1
         ctx.updates.append(update)
     if (ctx.policy_version, ctx.weights_digest) != (policy.policy_version, policy.weights_digest):

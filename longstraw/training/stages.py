@@ -20,25 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from longstraw.data.rewards import register_haystack_rewards
-from longstraw.distributed.stage_group import (
-    active_group,
-    active_topology,
-    from_writer,
-    is_writer,
-    on_all_ranks,
-    stage_control,
-    stage_ranks,
-    when_ranks_stop,
-)
-from longstraw.engine.group import GradBuffer, group_gradient, group_inputs
+from longstraw.distributed.stage_group import from_writer, is_writer, on_all_ranks
+from longstraw.engine.group import group_gradient, group_inputs
 from longstraw.engine.replay import replay_branch
 from longstraw.engine.rollout import SamplingParams, sample_responses
 from longstraw.engine.state import shard_bounds
@@ -49,7 +37,6 @@ from longstraw.grpo.rewards import score_group as score_rewards
 from longstraw.schemas.grpo import GRPOConfig
 from longstraw.schemas.refs import (
     BackwardResult,
-    GradPart,
     GradRef,
     PolicyRef,
     PrefillReport,
@@ -63,21 +50,13 @@ from longstraw.schemas.refs import (
 from longstraw.schemas.results import AdvantagePlan, StepMetrics
 from longstraw.schemas.run import RunConfig
 from longstraw.storage import artifacts
-from longstraw.storage.checkpoints import (
-    checkpoint_path,
-    checkpoint_ref,
-    commit_checkpoint,
-    new_checkpoint_dir,
-    retain_checkpoints,
-    run_dir,
-    save_optimizer_part,
-    save_training_checkpoint,
-)
+from longstraw.storage.checkpoints import retain_checkpoints, run_dir
 from longstraw.training import held
 from longstraw.training.agent import sample_trajectories, trajectory_rewards
 from longstraw.training.context import start_policy
 from longstraw.training.imported import imported_importance_weights
 from longstraw.training.metrics import STEP_RECORD_KEY, read_metrics, write_step_metrics
+from longstraw.training.policy_storage import CheckpointContents
 from longstraw.training.storage_faults import storage_faults
 from longstraw.training.streamed_state import budgeted_state
 from longstraw.training.sweep_checkpoints import sweep_checkpoints, sweep_key, sweep_progress
@@ -465,26 +444,10 @@ def backward_group(
         / "grads"
         / f"g{rollout.prompt.index}-i{iteration}.safetensors"
     )
-    grad = _store_grads(ctx, path, grads.grads, policy.policy_version, sum(stats.num_tokens))
+    grad = ctx.policy_storage.store_gradient(
+        path, grads.grads, policy_version=policy.policy_version, num_tokens=sum(stats.num_tokens)
+    )
     return BackwardResult(grad=grad, stats=stats)
-
-
-def _store_grads(ctx, path, grads: dict[str, torch.Tensor], version: int, tokens: int) -> GradRef:
-    """Store a gradient: whole (one process); or, when the policy is sharded, each rank running
-    the stage its own rows (`GradRef.parts`, in the order of those ranks: a replica's, or the
-    run's)."""
-    if ctx.weights is None:
-        return artifacts.write_grads(path, grads, policy_version=version, num_tokens=tokens)
-    index, count = stage_ranks()
-    mine = artifacts.write_grads(
-        artifacts.rank_path(path, index, count), grads, policy_version=version, num_tokens=tokens
-    )
-    parts: list = [None] * count
-    dist.all_gather_object(parts, GradPart(uri=mine.uri, digest=mine.digest), group=stage_control())
-    replica = active_group().scope()
-    return mine.model_copy(
-        update={"parts": tuple(parts), "replica": 0 if replica is None else replica.index}
-    )
 
 
 @on_all_ranks
@@ -500,15 +463,8 @@ def reduce_gradients(
             f"{policy.policy_version}: recompute the step's backward"
         )
     ctx = held.policy(config, policy)
-    total = _replica_sum(ctx, grads)
-    if config.parallel.data_parallel > 1:
-        # The replicas' sums, added across them: each rank keeps its FSDP shard's rows.
-        from longstraw.distributed.replica_gradients import sum_over_replicas
-
-        group = active_group()
-        total = GradBuffer.from_tensors(
-            sum_over_replicas(ctx.model, total.grads, group.topology, group.data_group)
-        )
+    # This process's rows of the step's gradient (summed across the replicas, if any).
+    total = ctx.policy_storage.step_gradient(grads)
     for g in grads:
         artifacts.forget_grads(g)
     path = (
@@ -516,30 +472,12 @@ def reduce_gradients(
         / "grads"
         / f"reduced-i{iteration}.safetensors"
     )
-    return _store_grads(
-        ctx, path, total.grads, policy.policy_version, sum(g.num_tokens for g in grads)
+    return ctx.policy_storage.store_gradient(
+        path,
+        total.grads,
+        policy_version=policy.policy_version,
+        num_tokens=sum(g.num_tokens for g in grads),
     )
-
-
-def _replica_sum(ctx, grads: list[GradRef]) -> GradBuffer:
-    """The sum of the groups' contributions this rank's replica computed (its rows of each);
-    zeros where the replica ran none (fewer groups in the step than replicas)."""
-    device, topology = ctx.model.device, active_topology()
-    if ctx.weights is None:
-        mine, part = grads, None
-    else:
-        mine = [g for g in grads if g.replica == topology.replica]
-        part = topology.sequence_rank
-    if not mine:
-        from longstraw.distributed.replica_gradients import zero_replica_rows
-
-        return GradBuffer.from_tensors(zero_replica_rows(ctx.model, topology, device))
-    total = GradBuffer.from_tensors(
-        {n: t.clone() for n, t in artifacts.read_grads(mine[0], device, rank=part).items()}
-    )
-    for other in mine[1:]:
-        total.add_(GradBuffer.from_tensors(artifacts.read_grads(other, device, rank=part)))
-    return total
 
 
 @on_all_ranks
@@ -553,12 +491,7 @@ def apply_update(config: RunConfig, policy: PolicyRef, grads: GradRef) -> Update
         )
     started = time.perf_counter()
     ctx = held.policy(config, policy)
-    if ctx.weights is not None:
-        # The optimizer steps the shards in place; the next stage that computes gathers them.
-        ctx.weights.to_rest()
-    update = ctx.optimizer.apply(
-        GradBuffer.from_tensors(artifacts.read_grads(grads, ctx.model.device, rank=ctx.rank))
-    )
+    update = ctx.policy_storage.apply(grads)
     ctx.policy_version += 1
     ctx.updates.append(grads)
     held.drop_states_before(config.run_id, ctx.policy_version)
@@ -600,21 +533,15 @@ def write_checkpoint(
     }
     if record is not None:
         trainer_state[STEP_RECORD_KEY] = record.model_dump(mode="json")
-    if ctx.weights is not None:
-        ref = _write_sharded_checkpoint(ctx, trainer_state)
-    elif is_writer():
-        ref = save_training_checkpoint(
-            config.storage,
-            config.run_id,
+    ref = ctx.policy_storage.write_checkpoint(
+        CheckpointContents(
+            config=config,
             policy_version=ctx.policy_version,
-            model=ctx.model,
             tokenizer=ctx.tokenizer,
-            optimizer_tensors=ctx.optimizer.state_tensors(),
             trainer_state=trainer_state,
             base_weights_digest=ctx.base_weights_digest,
         )
-    else:
-        ref = None
+    )
     if is_writer():
         artifacts.remove_step_gradients(config.storage, config.run_id, before_step=policy.step)
         if config.train.save_total_limit is not None:
@@ -627,55 +554,6 @@ def write_checkpoint(
     ref = from_writer(ref)
     ctx.checkpoint, ctx.checkpoint_is_run_start, ctx.updates = ref, False, []
     return ctx.policy_ref()
-
-
-def _write_sharded_checkpoint(ctx, trainer_state: dict):
-    """A checkpoint of a policy sharded over the ranks: each rank writes its optimizer rows
-    into the temporary directory rank 0 made, rank 0 the gathered weights, then commits (the
-    ranks share the checkpoint directory's filesystem). Rank 0's ref; None on the others."""
-    from longstraw.distributed.sharded_policy import full_state_dict
-
-    config, control = ctx.config, active_group().control
-    final = checkpoint_path(config.storage, config.run_id, ctx.policy_version)
-    chosen = [None]
-    if is_writer():
-        # A retried stage: the first complete write stands.
-        chosen = [None if final.exists() else str(new_checkpoint_dir(final))]
-    dist.broadcast_object_list(chosen, src=0, group=control)
-    if chosen[0] is None:
-        return checkpoint_ref(final) if is_writer() else None
-    tmp = Path(chosen[0])
-    try:
-        save_optimizer_part(
-            tmp, ctx.optimizer.state_tensors(), ctx.rank, config.parallel.world_size
-        )
-        # A LoRA policy's checkpoint holds its adapters alone: only they are copied.
-        weights = full_state_dict(
-            ctx.model,
-            ctx.weights,
-            copy=is_writer(),
-            trainable_only=ctx.base_weights_digest is not None,
-        )
-        dist.barrier(group=control)
-    except BaseException:
-        # A rank's failed write (a full disk on its node) fails this rank's collectives too: the
-        # temporary directory goes, as a single process's failed write removes its own — once
-        # the ranks are stopped, since another rank may still be writing its rows into it.
-        if is_writer():
-            when_ranks_stop(lambda: shutil.rmtree(tmp, ignore_errors=True))
-        raise
-    if not is_writer():
-        return None
-    return commit_checkpoint(
-        tmp,
-        final,
-        policy_version=ctx.policy_version,
-        model=ctx.model,
-        tokenizer=ctx.tokenizer,
-        trainer_state=trainer_state,
-        state_dict=weights,
-        base_weights_digest=ctx.base_weights_digest,
-    )
 
 
 def is_checkpoint_step(config: RunConfig, steps_done: int) -> bool:

@@ -26,8 +26,8 @@ START_METHOD = "fork"
 CASES = [("llama", 2), ("qwen3_5", 3)]
 # STYLE.md: fp32 reorderings rtol 1e-5 / atol 1e-6 (the cross-rank merge reorders sums).
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
-# Gradients: worst per-tensor max_diff / max|ref| measured 3.4e-6 (qwen3_5, exact), RMS-relative
-# 2-4e-7; the bound leaves 3x margin.
+# Gradients: worst per-tensor max_diff / max|ref| measured 9.4e-7 (qwen3_5, detached),
+# RMS-relative 1.9-3.8e-7; the bound leaves 10x margin.
 GRAD_MAX_REL = 1e-5
 
 

@@ -188,10 +188,12 @@ def test_flash_prefix_partial_runs_flash_attn_per_chunk_and_logs_it(fake_package
     fake_package("flash_attn", flash_attn_func=spy)
     _force(monkeypatch, attention=dispatch.FLASH_ATTN)
     q, k, v = _prefix_inputs()
-    out, lse = flash_prefix_partial(q, k, v, 0.25, 32)
+    out, lse = flash_prefix_partial(q, k, v, 0.25, 32, kernel=dispatch.FLASH_ATTN)
     assert calls == [32, 32, 6]  # chunks of the fixed grid, never the whole prefix
     assert dispatch.kernels_ran() == {"full_attention.prefix": dispatch.FLASH_ATTN}
-    want_out, want_lse = flash_prefix_partial(q.float(), k.float(), v.float(), 0.25, 32)
+    want_out, want_lse = flash_prefix_partial(
+        q.float(), k.float(), v.float(), 0.25, 32, kernel=dispatch.ATEN_CPU_FLASH
+    )
     # bf16 inputs, fp32 accumulation on both sides: STYLE.md's bf16 tolerance.
     torch.testing.assert_close(out, want_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, want_lse, rtol=2e-2, atol=2e-2)

@@ -1,10 +1,16 @@
-"""Absorbed MLA over [prefix ; branch] against decompressed per-head attention (values and grads)."""
+"""Absorbed MLA over [prefix ; branch] against decompressed per-head attention (values and grads),
+and over a prefix split into rank parts against the whole prefix."""
 
 import pytest
 import torch
 
 from longstraw.ops.dsa_topk import stable_topk_mask
-from longstraw.ops.mla_attention import absorbed_mla_attention, naive_mla_attention
+from longstraw.ops.mla_attention import (
+    absorbed_mla_attention,
+    latent_prefix_backward,
+    latent_prefix_partial,
+    naive_mla_attention,
+)
 
 SEED = 42
 HEADS, NOPE, ROPE, VALUE, RANK = 3, 16, 8, 24, 12
@@ -126,3 +132,89 @@ def test_absorbed_mla_saves_nothing_prefix_sized():
     out.sum().backward()
     # Largest branch-sized tensors: [H, N + V, R] weight views and [B, H, S, S] scores.
     assert max(sizes) < 4000, f"a saved tensor has {max(sizes)} elements (prefix has 4000 tokens)"
+
+
+class _SimulatedLatentRanks:
+    """Rank `rank` of a latent prefix split into `parts`, the other ranks computed here with the
+    op's own `latent_prefix_partial` / `latent_prefix_backward`, as a rank of a sequence group
+    computes its share (`tests/distributed/test_sharded_glm.py` runs real process groups)."""
+
+    replicated = True
+
+    def __init__(self, latent_TR, rope_TE, grads, parts, rank, chunk_size):
+        self.latent_TR, self.rope_TE, self.grads = latent_TR, rope_TE, grads
+        self.parts, self.rank, self.chunk_size = parts, rank, chunk_size
+        self.num_prefix, self.local_start = latent_TR.shape[0], parts[rank][0]
+
+    def _others(self):
+        return [(i, a, b) for i, (a, b) in enumerate(self.parts) if i != self.rank]
+
+    def _part(self, a, b, **kw):
+        return dict(
+            scale=0.17, selected_BSK=self.selected, local_start=a, chunk_size=self.chunk_size, **kw
+        )
+
+    def queries_ready(self, q_lat, q_rot, selected, needs_grad):
+        self.q, self.selected = (q_lat, q_rot), selected
+
+    def gather(self, out, lse):
+        partials = {self.rank: (out, lse)}
+        for i, a, b in self._others():
+            partials[i] = latent_prefix_partial(
+                *self.q, self.latent_TR[a:b], self.rope_TE[a:b], **self._part(a, b)
+            )
+        return [partials[i] for i in range(len(self.parts))]
+
+    def cotangent_ready(self, grad_out, lse, delta):
+        self.cotangent = (grad_out, lse, delta)
+
+    def reduce(self, tensors):
+        for _, a, b in self._others():
+            grads = {"grad_latent_TR": self.grads[0][a:b], "grad_rope_TE": self.grads[1][a:b]}
+            shares = latent_prefix_backward(
+                *self.cotangent, *self.q, self.latent_TR[a:b], self.rope_TE[a:b],
+                **self._part(a, b, **grads),
+            )  # fmt: skip
+            for total, share in zip(tensors, shares, strict=True):
+                total.add_(share)
+
+
+@pytest.mark.parametrize("topk", [None, 24])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_latent_prefix_split_over_ranks_matches_the_whole_prefix(rank, topk):
+    """The prefix of 70 positions split 0-40 / 40-40 / 40-70 (one rank holds none), chunks of 16,
+    against the op over the whole prefix: outputs and every gradient."""
+    x = _inputs(2, 6, 6, 70)
+    selected = None if topk is None else _selection(x, topk)[1]
+    parts = [(0, 40), (40, 40), (40, 70)]
+
+    def run(ranks_of):
+        leaves = {
+            n: x[n].clone().requires_grad_(True) for n in ("q_nope", "q_rot", "latent", "rope")
+        }
+        grads = (torch.zeros(70, RANK), torch.zeros(70, ROPE))
+        lat, rope, grad_lat, grad_rope, ranks = ranks_of(grads)
+        out = absorbed_mla_attention(
+            *leaves.values(), lat, rope, x["kv_b"], scale=0.17, selected_BSK=selected,
+            chunk_size=16, prefix_grad_latent_TR=grad_lat, prefix_grad_rope_TE=grad_rope,
+            ranks=ranks,
+        )  # fmt: skip
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        return [out.detach(), *(leaf.grad for leaf in leaves.values()), *grads]
+
+    def split(grads):
+        a, b = parts[rank]
+        ranks = _SimulatedLatentRanks(
+            x["prefix_latent"], x["prefix_rope"], grads, parts, rank, chunk_size=16
+        )
+        lat, rope = x["prefix_latent"][a:b], x["prefix_rope"][a:b]
+        return lat, rope, grads[0][a:b], grads[1][a:b], ranks
+
+    got = run(split)
+    want = run(lambda grads: (x["prefix_latent"], x["prefix_rope"], *grads, None))
+    names = ["out", "q_nope", "q_rot", "latent", "rope", "prefix_latent", "prefix_rope"]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert w.abs().max() > 0, name
+        torch.testing.assert_close(
+            g, w, rtol=1e-5, atol=1e-6, msg=lambda m, g=g, w=w, n=name: f"{n}: {_report(g, w)}"
+        )
