@@ -116,16 +116,23 @@ def volume_fault_text(record: logging.LogRecord) -> str | None:
 
 class OncePerVolumeFault(logging.Filter):
     """Pass the first record of each volume fault (`short`: without its traceback, its
-    exception's last line appended), drop the records that repeat it."""
+    exception's last line appended), drop the records that repeat it, and drop the failures
+    with a traceback that a logger which reported a fault logs after it: its retries of the
+    write the full volume refused (Prefect's event persister re-inserts a batch whose rows the
+    failed commit emptied and logs an IntegrityError traceback that names no volume)."""
 
     def __init__(self, short: bool = False):
         super().__init__()
         self.short = short
         self.seen: set[str] = set()
+        self.faulted_loggers: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or (phrase := volume_fault_text(record)) is None:
+        if record.levelno < logging.WARNING:
             return True
+        if (phrase := volume_fault_text(record)) is None:
+            return not (record.exc_info and record.name in self.faulted_loggers)
+        self.faulted_loggers.add(record.name)
         if phrase in self.seen:
             return False
         self.seen.add(phrase)
