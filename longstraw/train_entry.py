@@ -19,7 +19,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from longstraw.console import cli_console
@@ -333,6 +340,50 @@ def _cut_short(config: RunConfig, signum: int, config_path, run_id, root) -> str
     )
 
 
+class SweepBar:
+    """The "sweep shards" bar: the exact reverse sweeps' shards swept / to sweep in the step
+    (every group's, across replicas), with an ETA from the shards computed since the bar's clock
+    started. A sweep resumed from a checkpoint starts at the shards it took (said in one line),
+    which restarts the clock: they cost nothing and must not make the ETA look short."""
+
+    def __init__(self, progress: Progress, task):
+        self.progress, self.task = progress, task
+        self.groups: dict[int, tuple[int, int]] = {}
+        self.fresh = True
+        self.lock = threading.Lock()
+
+    def told(self, group: int, done: int, total: int, resumed: int) -> None:
+        with self.lock:
+            previous = self.groups.get(group)
+            # A sweep that starts again (the step's next update on the same group) restarts too.
+            restart = (previous is None and resumed > 0) or (
+                previous is not None and done < previous[0]
+            )
+            self.groups[group] = (done, total)
+            done_all = sum(d for d, _ in self.groups.values())
+            total_all = sum(t for _, t in self.groups.values())
+            if previous is None and resumed:
+                self.progress.console.print(
+                    f"group {group}: sweep resumed from its checkpoint after {resumed} of "
+                    f"{total} shards",
+                    style="dim",
+                    markup=False,
+                )
+            if self.fresh or restart:
+                self.fresh = False
+                self.progress.reset(self.task, total=total_all, completed=done_all)
+            # Shown while a sweep runs only: the bar of a finished step says nothing new, and a
+            # run's last lines stay as they were.
+            running = any(d < t for d, t in self.groups.values())
+            self.progress.update(self.task, total=total_all, completed=done_all, visible=running)
+
+    def new_step(self) -> None:
+        with self.lock:
+            self.groups.clear()
+            self.fresh = True
+            self.progress.update(self.task, visible=False)
+
+
 def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = False) -> list:
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "
@@ -367,17 +418,22 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         transient=False,
     ) as progress:
         steps_bar = progress.add_task("GRPO steps", total=config.train.num_steps)
         shards_bar = progress.add_task("prefill shards", total=None)
+        sweep = SweepBar(progress, progress.add_task("sweep shards", total=None, visible=False))
 
         def listen(event: str, fields: dict) -> None:
             if event == "prefill_shard":
                 progress.update(shards_bar, total=fields["total"], completed=fields["done"])
+            elif event == "sweep_shard":
+                sweep.told(**fields)
             elif event == "step":
                 progress.update(steps_bar, completed=fields["step"] + 1)
+                sweep.new_step()
             elif event == "flow_run" and use_prefect and server is None and fields["ui_url"]:
                 # A server the user runs outlives this run: its page is worth opening. The
                 # embedded API stops with the run and serves no UI.

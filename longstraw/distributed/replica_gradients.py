@@ -43,11 +43,14 @@ def sum_over_replicas(
     name) added across the replicas; returns this rank's FSDP shard of each ([chunk rows, ...]).
 
     Collective over `data_group`: every rank of the run calls it once per step, with the same
-    names in the same order."""
+    names (taken in the model's order)."""
     replicas, layout = topology.replicas, SliceLayout.of(topology)
     shapes = {name: p.shape for name, p in model.named_parameters() if name in grads}
     out = {}
-    for name, part in grads.items():
+    # In the model's order on every rank: `grads` is in the order its source gave (a gradient
+    # file read back, or one this process computed), which may differ between two ranks.
+    for name in shapes:
+        part = grads[name]
         dim0, rest = shapes[name][0], tuple(shapes[name][1:])
         chunk = -(-dim0 // topology.world_size)
         pieces = layout.pieces(dim0)

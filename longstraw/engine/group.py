@@ -34,6 +34,13 @@ from longstraw.engine.replay import PromptCotangent, replay_branch
 from longstraw.engine.state import PrefixState
 from longstraw.engine.state_tiers import state_traffic, tiered_for_group
 from longstraw.engine.sweep import sweep_prompt_shards
+from longstraw.engine.sweep_checkpoint import (
+    SweepCheckpoints,
+    record_json,
+    record_parts,
+    sweep_tensors,
+    zero_tensors,
+)
 from longstraw.engine.validation import as_token_tensor, check_positions
 from longstraw.grpo.grad_buffer import GradBuffer
 from longstraw.grpo.losses import BranchStats, branch_loss, reduce_stats, sequence_weights
@@ -289,6 +296,8 @@ def group_gradient(
     engine: EngineConfig,
     *,
     exchange: PrefixExchange = LOCAL,
+    checkpoints: SweepCheckpoints | None = None,
+    on_sweep_shard: Callable[[int, int, int], None] | None = None,
 ) -> tuple[HoldsGrads, GroupStats]:
     """One group's gradient at any world size: (the accumulator of this process's part of it —
     `.grads` [name] fp32, whole on one process, this rank's rows on ranks, see
@@ -299,6 +308,7 @@ def group_gradient(
     Under `engine.state_budget_bytes` the state (each rank's part) and its cotangent stream from
     `engine.state_tier`. The figures a memory limit must cover (peak RSS, the cotangent's bytes,
     the tiered state's traffic) are the busiest rank's. `.grad` is left untouched.
+    `checkpoints` and `on_sweep_shard` as in `replay_and_sweep`.
     """
     sink = exchange.gradient_sink(model)
     exact = engine.prompt_grad == "exact"
@@ -311,6 +321,8 @@ def group_gradient(
             segment_tokens=engine.branch_segment_tokens,
             share_prefixes=engine.share_response_prefixes,
             on_gradient_slices=sink.on_gradient_slices,
+            checkpoints=checkpoints, accumulator=sink.accumulator,
+            on_sweep_shard=on_sweep_shard,
         )  # fmt: skip
         traffic = state_traffic(state)
         figures = [peak_rss_bytes(), record.cotangent_bytes]
@@ -328,6 +340,11 @@ def group_gradient(
             cotangent_bytes=cotangent_bytes,
             device=model.device,
             peak_rss=peak,
+        ).model_copy(
+            update={
+                "sweep_shards_computed": record.sweep_shards_computed,
+                "sweep_shards_resumed": record.sweep_shards_resumed,
+            }
         )
     if tiered:
         busiest = StateTraffic(
@@ -350,6 +367,10 @@ class ReplayRecord:
     """Wall-clock seconds of "replay" and (exact mode, timed by the caller) "sweep"."""
     cotangent_bytes: int = 0
     """Bytes of the fp32 prompt cotangent dS this process held (a rank: its slice)."""
+    sweep_shards_computed: int = 0
+    """Shards the exact sweep recomputed here."""
+    sweep_shards_resumed: int = 0
+    """Shards it took from a sweep checkpoint (swept by an earlier attempt)."""
 
     def add(self, logp: torch.Tensor, loss: torch.Tensor, stats: BranchStats) -> None:
         self.logprobs.append(logp.detach())
@@ -437,6 +458,9 @@ def replay_and_sweep(
     share_prefixes: bool = False,
     after_shard: Callable[[int], None] | None = None,
     on_gradient_slices: Callable[[int, int], None] | None = None,
+    checkpoints: SweepCheckpoints | None = None,
+    accumulator: HoldsGrads | None = None,
+    on_sweep_shard: Callable[[int, int, int], None] | None = None,
 ) -> ReplayRecord:
     """One group's gradient work at any world size: replay every branch (`replay_group_branches`)
     and, in exact mode, sweep the prompt-state cotangent back through the prefill shards
@@ -446,6 +470,12 @@ def replay_and_sweep(
     where `sweep_sink` does (None: they stay in `.grad` for `after_shard(shard)` to collect);
     `on_gradient_slices` is the sweep's (ranks). The record times replay and sweep apart and
     holds the bytes of this process's cotangent dS.
+
+    With `checkpoints` (exact mode; `accumulator` the one both sinks add into) the sweep commits
+    its progress when they say it is due, and a latest checkpoint of this backward replaces
+    replay and the shards it covers (`engine.sweep_checkpoint`): the same gradient, bitwise.
+    `on_sweep_shard(done, total, resumed)` is told the shards swept, at the sweep's start and
+    after each shard.
     """
     params = trainable_parameters(model)
     cotangent = PromptCotangent.zeros_like_state(state) if prompt_grad == "exact" else None
@@ -453,21 +483,62 @@ def replay_and_sweep(
         model, prompt_grad, inputs.response_ids, segment_tokens, share_prefixes
     )
     with grads_set_aside(params), deterministic_when_exact(prompt_grad):
-        with replay_sink, dropout:
-            record = replay_group_branches(
-                model, state, inputs, loss_config, cotangent, segment_tokens=segment_tokens,
-                share_prefixes=share_prefixes, exchange=exchange,
-            )  # fmt: skip
+        resumed = None
+        if cotangent is not None and checkpoints is not None:
+            resumed = resumed_sweep(state, cotangent, accumulator, checkpoints)
+        if resumed is None:
+            swept = 0
+            with replay_sink, dropout:
+                record = replay_group_branches(
+                    model, state, inputs, loss_config, cotangent, segment_tokens=segment_tokens,
+                    share_prefixes=share_prefixes, exchange=exchange,
+                )  # fmt: skip
+        else:
+            record, swept = resumed
         if cotangent is not None:
             started = time.perf_counter()
+            total = state.num_shards
+
+            def shard_done(shard: int) -> None:
+                done = total - shard
+                if on_sweep_shard is not None:
+                    on_sweep_shard(done, total, swept)
+                if checkpoints is not None and shard > 0 and checkpoints.due(done):
+                    tensors = sweep_tensors(state, cotangent, accumulator, shard - 1)
+                    checkpoints.save(done, tensors, record_json(record))
+
+            if on_sweep_shard is not None:
+                on_sweep_shard(swept, total, swept)
             with sweep_sink or contextlib.nullcontext():
                 sweep_prompt_shards(
-                    model, state, cotangent, exchange=exchange, after_shard=after_shard,
+                    model, state, cotangent, exchange=exchange, swept=swept,
+                    after_shard=after_shard, on_shard_done=shard_done,
                     on_gradient_slices=on_gradient_slices,
                 )  # fmt: skip
             record.seconds["sweep"] = time.perf_counter() - started
             record.cotangent_bytes = cotangent.nbytes()
+            record.sweep_shards_computed, record.sweep_shards_resumed = total - swept, swept
     return record
+
+
+def resumed_sweep(
+    state, cotangent: PromptCotangent, accumulator: HoldsGrads, checkpoints: SweepCheckpoints
+) -> tuple[ReplayRecord, int] | None:
+    """(the replay's record, shards swept) from the latest sweep checkpoint of this backward,
+    its tensors put into `cotangent` and `accumulator` (zeroed: as a fresh backward starts);
+    None where there is none that matches and reads back whole (the sweep starts over)."""
+    found = checkpoints.latest()
+    if found is None:
+        return None
+    assert 0 < found.swept < state.num_shards, found.swept
+    tensors = sweep_tensors(state, cotangent, accumulator, state.num_shards - 1 - found.swept)
+    if not found.read_into(tensors):
+        zero_tensors(tensors)
+        return None
+    logprobs, losses, stats = record_parts(found.record)
+    # This attempt replayed nothing: its replay took no time.
+    record = ReplayRecord(logprobs, losses, stats, seconds={"replay": 0.0})
+    return record, found.swept
 
 
 def adapter_dropout_in_replay(

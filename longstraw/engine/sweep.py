@@ -241,24 +241,29 @@ def sweep_prompt_shards(
     cotangent: PromptCotangent,
     *,
     exchange: PrefixExchange = LOCAL,
+    swept: int = 0,
     after_shard: Callable[[int], None] | None = None,
+    on_shard_done: Callable[[int], None] | None = None,
     on_gradient_slices: Callable[[int, int], None] | None = None,
 ) -> None:
     """Backpropagate `cotangent` through every prefill shard, last to first (gradients → .grad
     of the rank that holds each shard); on a sequence group, call on every rank.
 
     The linear-attention part of `cotangent` must be the final-state cotangent on the group's
-    last rank (replay leaves it there; the copies on other ranks are discarded here).
-    `after_shard(shard)` runs on the shard's owner after its backward. `on_gradient_slices`:
-    while serving, answer the owner's gradient-slice headers
-    (`longstraw.distributed.gradient_slices`).
+    last rank (replay leaves it there; the copies on other ranks are discarded here). With
+    `swept` > 0 the last `swept` shards are done already and `cotangent` is what a sweep held
+    after them (`engine.sweep_checkpoint`): it continues with the shard before.
+    `after_shard(shard)` runs on the shard's owner after its backward; `on_shard_done(shard)`
+    on every rank once the shard is done there (its start-state cotangent handed back), where
+    the sweep may be checkpointed. `on_gradient_slices`: while serving, answer the owner's
+    gradient-slice headers (`longstraw.distributed.gradient_slices`).
     """
-    if cotangent.conv is not None and state.rank != state.world_size - 1:
+    if swept == 0 and cotangent.conv is not None and state.rank != state.world_size - 1:
         # Every rank replayed the same branches; only the last rank's copy is the real dS.
         cotangent.conv.zero_()
         cotangent.recurrent.zero_()
     with exchange.layers.attention_enabled(model):
-        for shard in reversed(range(state.num_shards)):
+        for shard in reversed(range(state.num_shards - swept)):
             if state.owner_of(shard) == state.rank:
                 sweep_shard(model, state, cotangent, shard, exchange)
                 exchange.shards.finish_owned_shard(state)
@@ -268,6 +273,8 @@ def sweep_prompt_shards(
                 exchange.shards.serve_shard(model, state, shard, cotangent, on_gradient_slices)
             if shard > 0 and state.owner_of(shard - 1) != state.owner_of(shard):
                 exchange.shards.hand_back_start_cotangent(state, cotangent, shard)
+            if on_shard_done is not None:
+                on_shard_done(shard)
 
 
 # What a mismatch between the recomputed and the stored prompt state means.

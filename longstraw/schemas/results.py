@@ -68,6 +68,10 @@ class GroupStats(BaseModel):
     state_traffic: StateTraffic | None = None
     """The tiered state's peak and bytes moved over replay and sweep (None: no budget, the
     state resident)."""
+    sweep_shards_computed: int = 0
+    """Prefill shards the exact sweep recomputed and backpropagated in this stage."""
+    sweep_shards_resumed: int = 0
+    """Shards it took from a sweep checkpoint instead (swept before a kill or a failure)."""
 
 
 class EvalMetrics(BaseModel):
@@ -150,6 +154,10 @@ class StepMetrics(BaseModel):
     shards_computed: int = 0
     """Prefill shards computed this step (the rest were reused from storage)."""
     shards_reused: int = 0
+    sweep_shards_computed: int = 0
+    """Shards the exact reverse sweeps of the step recomputed (all groups and iterations)."""
+    sweep_shards_resumed: int = 0
+    """Shards they took from sweep checkpoints instead (a sweep resumed after a kill)."""
     state_bytes: int | None = None
     """The largest prompt state (K/V or latents) of the step's groups, in bytes (on several
     ranks, the part rank 0 holds; None in rows recorded before it was)."""

@@ -146,6 +146,15 @@ class EngineConfig(_Section):
     """Where the state beyond the budget lives: host memory, or a scratch file in `state_dir`."""
     state_dir: str | None = None
     """Directory of the scratch files of `state_tier: disk` (None: the system temp directory)."""
+    sweep_checkpoint_seconds: float | None = Field(default=600.0, gt=0)
+    """Exact mode: the reverse sweep commits what the rest of it needs (the cotangent of the
+    shards not yet swept, the gradient so far) after the first shard that ends this many
+    seconds after its previous checkpoint (or its start), and at least 20 times as long after
+    it as that checkpoint took to write, so that writing costs at most 5 % of the sweep; a
+    backward stage run again (`--resume`, a task retry) continues after the latest. Written
+    under `storage.root_uri` (not with `persist_mode: off`). None: not by time."""
+    sweep_checkpoint_every: int | None = Field(default=None, ge=1)
+    """Also commit a sweep checkpoint after every this many shards (None: by time only)."""
 
 
 class HaystackDataConfig(_Section):

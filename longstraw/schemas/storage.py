@@ -298,3 +298,104 @@ class PrefixStateRef(_Frozen):
     """Prompt the state covers."""
     num_tokens: int
     """T."""
+
+
+# --- sweep checkpoints --------------------------------------------------------------------------
+#
+# Exact mode's reverse sweep persists what the rest of it needs every so often (docs/engine.md,
+# "A sweep resumed"): per rank, one flat fp32 array of its tensors.
+
+
+class SweepKey(_Frozen):
+    """Everything a group's backward (replay + reverse sweep) depends on: a sweep checkpoint is
+    resumed only by a backward with an equal key. The digests are sha256 of canonical JSON."""
+
+    run_id: str = Field(pattern=_PATH_SAFE)
+    policy_version: int = Field(ge=0)
+    weights_digest: str = Field(pattern=_PATH_SAFE)
+    """The weights replayed and swept."""
+    prompt_digest: str = Field(pattern=_PATH_SAFE)
+    """The prompt whose state is swept."""
+    num_shards: int = Field(gt=0)
+    """Prefill shards of that state."""
+    group: int = Field(ge=0)
+    """The group's prompt index in the run."""
+    iteration: int = Field(ge=0)
+    """Which update on the step's rollouts (`grpo.num_iterations`)."""
+    responses: str
+    """The rollout record's digest: the responses replayed."""
+    advantages: str
+    """Digest of the group's advantages, loss masks, the step's normalisers and the old /
+    reference log-probs."""
+    loss_config: str
+    """Digest of the `grpo` section."""
+    engine: str
+    """Digest of the `engine` settings that change the numbers (prompt gradient, shard size,
+    segments, shared prefixes)."""
+    model: str
+    """Digest of the `model` section (dtype, LoRA's settings: which parameters train, so what
+    the gradient accumulators hold)."""
+    adapters: str | None = None
+    """A LoRA run's adapters where `weights_digest` does not name them: "drawn from train.seed
+    N" while the policy descends from the run's start (whose digest is the frozen base's, the
+    adapters' initial values drawn from the seed). None: every parameter trains, or the
+    adapters come from a checkpoint whose digest covers them."""
+    placement: str
+    """The ranks the backward ran on, e.g. "2 sequence ranks" (a checkpoint holds each rank's
+    part)."""
+
+    def first_difference(self, current: SweepKey) -> str | None:
+        """How this (a checkpoint's) key differs from `current`'s, naming the first field that
+        does: "its loss config differs (3f2a9c01d5e7… there, 91bc0d42aa10… now)"; None: equal."""
+        for name in type(self).model_fields:
+            there, now = getattr(self, name), getattr(current, name)
+            if there != now:
+                what = name.replace("_", " ")
+                return f"its {what} differs ({_short(there)} there, {_short(now)} now)"
+        return None
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text[:12] + "…" if len(text) > 16 else text
+
+
+class FlatTensorEntry(_Frozen):
+    """One tensor inside a part's flat array: elements [offset, offset + prod(shape))."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int = Field(ge=0)
+
+
+class SweepCheckpointPart(_Frozen):
+    """One rank's part of a sweep checkpoint: its tensors, packed in order into one flat fp32
+    Zarr array `tensors` of `part-{rank}-of-{ranks}.zarr`, chunked every `chunk_elements`."""
+
+    rank: int = Field(ge=0)
+    """The rank's index among the ranks of the backward stage."""
+    tensors: tuple[FlatTensorEntry, ...]
+    num_elements: int = Field(ge=0)
+    chunk_elements: int = Field(gt=0)
+    chunks: tuple[ChunkDigest, ...]
+    """Every chunk of the flat array with its sha256 (index (j,))."""
+
+
+class SweepCheckpointManifest(_Frozen):
+    """checkpoints/{swept:05d}.json of a sweep: created exclusively once every rank's part is
+    written and verified; the only entry point of a reader."""
+
+    format_version: Literal[1] = 1
+    key: SweepKey
+    swept: int = Field(gt=0)
+    """Shards swept before it (the last `swept` of `key.num_shards`): the sweep continues at
+    shard `num_shards - 1 - swept`."""
+    attempt_id: str
+    """attempt-{id}/ holds every part's Zarr array."""
+    parts: tuple[SweepCheckpointPart, ...]
+    """One per rank, in rank order."""
+    record: dict
+    """What replay recorded besides gradients (log-probs, losses, loss statistics), as JSON:
+    a resumed backward does not replay again."""
+    code_version: str
+    created_at: datetime

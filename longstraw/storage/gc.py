@@ -1,7 +1,9 @@
 """Listing and garbage collection of the state key space (plain functions; the CLI wraps them).
 
 gc removes (a) whole policy-version directories older than the newest `keep_versions` of each run,
-and (b) attempts that no COMMITTED.json references and that nobody touched for the grace period.
+(b) attempts that no COMMITTED.json references and that nobody touched for the grace period, and
+(c) likewise the attempts of sweep checkpoints that no checkpoint marker names (a write killed
+midway).
 In an uncommitted directory the shard manifests naming such an attempt go first, so a crash in
 the middle leaves orphan chunks (harmless, removed next time), never a manifest without chunks.
 Reference states are never removed by version (the reference model does not change).
@@ -15,12 +17,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longstraw.schemas.storage import ShardManifest, StateManifest, StorageConfig
+from longstraw.schemas.storage import (
+    ShardManifest,
+    StateManifest,
+    StorageConfig,
+    SweepCheckpointManifest,
+)
 from longstraw.storage.holders import DEFAULT_LEASE_S
 from longstraw.storage.lockfiles import remove_if_unchanged, stale_lock_files
-from longstraw.storage.paths import ATTEMPT_PREFIX, COMMITTED_NAME, SHARDS_DIR, filesystem
+from longstraw.storage.paths import (
+    ATTEMPT_PREFIX,
+    COMMITTED_NAME,
+    SHARDS_DIR,
+    SWEEPS_DIR,
+    filesystem,
+)
+from longstraw.storage.sweep_checkpoints import SWEEP_CHECKPOINTS_DIR
 
 _POLICY_DIR = re.compile(r"^runs/([^/]+)/policy-v(\d+)/prompts/([^/]+)/(.+)$")
+_SWEEP_DIR = re.compile(rf"^runs/([^/]+)/policy-v(\d+)/{SWEEPS_DIR}/([^/]+)/(.+)$")
 _REFERENCE_DIR = re.compile(r"^reference/([^/]+)/prompts/([^/]+)/(.+)$")
 
 
@@ -126,6 +141,62 @@ def list_states(root_uri: str, config: StorageConfig | None = None) -> list[Stat
     return sorted(dirs.values(), key=lambda d: d.uri)
 
 
+@dataclass
+class SweepDirInfo:
+    """The sweep checkpoints of one backward (`storage.sweep_checkpoints`)."""
+
+    uri: str
+    run_id: str
+    policy_version: int
+    group: str
+    """g{prompt index}."""
+    committed: list[int] = field(default_factory=list)
+    """`swept` of each committed checkpoint."""
+    nbytes: int = 0
+    attempts: dict[str, AttemptInfo] = field(default_factory=dict)
+
+
+def list_sweeps(root_uri: str, config: StorageConfig | None = None) -> list[SweepDirInfo]:
+    """Every backward's sweep checkpoints under root: committed ones and attempts, with sizes."""
+    fs, root = filesystem(root_uri, config)
+    root_uri = root_uri if "://" in root_uri else StorageConfig(root_uri=root_uri).root_uri
+    fs.invalidate_cache()
+    try:
+        files = fs.find(f"{root}/runs", detail=True)
+    except FileNotFoundError:
+        return []
+    dirs: dict[str, SweepDirInfo] = {}
+    markers: list[tuple[SweepDirInfo, str]] = []
+    for path, info in files.items():
+        m = _SWEEP_DIR.match(path[len(root) :].lstrip("/"))
+        if m is None or info.get("type") == "directory":
+            continue
+        run_id, version, group, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        d_rel = f"runs/{run_id}/policy-v{version}/{SWEEPS_DIR}/{group}"
+        d = dirs.setdefault(d_rel, SweepDirInfo(f"{root_uri}/{d_rel}", run_id, version, group))
+        size = int(info.get("size") or 0)
+        d.nbytes += size
+        base = rest.rsplit("/", 1)[-1]
+        if rest.startswith(SWEEP_CHECKPOINTS_DIR + "/") and base[:-5].isdigit():
+            d.committed.append(int(base[:-5]))
+            markers.append((d, path))
+        elif rest.startswith(ATTEMPT_PREFIX):
+            attempt_id = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
+            a = d.attempts.setdefault(attempt_id, AttemptInfo(attempt_id))
+            a.nbytes += size
+            a.newest_mtime = max(a.newest_mtime, _mtime(info))
+    for d, path in markers:
+        try:
+            attempt_id = SweepCheckpointManifest.model_validate_json(fs.cat_file(path)).attempt_id
+        except (ValueError, FileNotFoundError):
+            continue  # an unreadable marker names nothing: its attempt is collected too
+        if attempt_id in d.attempts:
+            d.attempts[attempt_id].committed = True
+    for d in dirs.values():
+        d.committed.sort()
+    return sorted(dirs.values(), key=lambda d: d.uri)
+
+
 @dataclass(frozen=True)
 class GcAction:
     uri: str
@@ -207,6 +278,18 @@ def collect_garbage(
                     a.nbytes,
                 )
             )
+    for d in list_sweeps(root_uri, config):
+        if (d.run_id, d.policy_version) in removed_versions:
+            continue
+        for a in d.attempts.values():
+            if not a.committed and now - a.newest_mtime >= grace:
+                actions.append(
+                    GcAction(
+                        f"{d.uri}/{ATTEMPT_PREFIX}{a.attempt_id}",
+                        "uncommitted sweep checkpoint past the grace period",
+                        a.nbytes,
+                    )
+                )
     if not dry_run:
         for action in actions:
             afs, path = filesystem(action.uri, config)

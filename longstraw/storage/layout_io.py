@@ -68,6 +68,19 @@ def zarr_store(zarr_uri: str, config: StorageConfig | None = None):
     )
 
 
+RAW_CHUNKS = {
+    "fill_value": 0,
+    "compressors": None,
+    "filters": None,
+    "serializer": BytesCodec(endian="little"),
+    "chunk_key_encoding": {"name": "default", "separator": "/"},
+    # Every chunk is written, zero or not: a missing chunk means an incomplete write.
+    "config": {"write_empty_chunks": True},
+}
+"""How every array LongStraw commits stores its chunks: raw little-endian bytes, one file per
+chunk (whose sha256 the manifest records), none left out."""
+
+
 def create_attempt_arrays(zarr_uri: str, layout: StateLayout, config: StorageConfig) -> None:
     """Array metadata for one attempt's state.zarr, then consolidated metadata (one read lists all)."""
     store = zarr_store(zarr_uri, config)
@@ -80,19 +93,18 @@ def create_attempt_arrays(zarr_uri: str, layout: StateLayout, config: StorageCon
             shape=a.shape,
             chunks=a.chunk_shape(layout.shard_tokens),
             dtype=a.stored_dtype,
-            fill_value=0,
-            compressors=None,
-            filters=None,
-            serializer=BytesCodec(endian="little"),
-            chunk_key_encoding={"name": "default", "separator": "/"},
-            # Every chunk is written, zero or not: a missing chunk means an incomplete write.
-            config={"write_empty_chunks": True},
+            **RAW_CHUNKS,
             attributes={"logical_dtype": a.dtype, "kind": a.kind},
             dimension_names=["layer", "token" if a.kind == "token" else "shard_boundary"]
             + [f"dim{i}" for i in range(2, len(a.shape))],
         )
+    consolidated(store)
+
+
+def consolidated(store) -> None:
+    """Consolidate the store's metadata (zarr's consolidated zarr.json): one read lists every
+    array (128 arrays on S3: 1.3 s -> 0.04 s)."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
-        # Consolidated metadata is a zarr-python extension of v3 (it warns so); we rely on it
-        # because one read then lists every array (128 arrays on S3: 1.3 s -> 0.04 s).
+        # Consolidated metadata is a zarr-python extension of v3 (it warns so).
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(store)

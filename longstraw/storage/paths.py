@@ -12,6 +12,7 @@ COMMITTED_NAME = "COMMITTED.json"
 SHARDS_DIR = "shards"
 ZARR_NAME = "state.zarr"
 ATTEMPT_PREFIX = "attempt-"
+SWEEPS_DIR = "sweeps"
 
 
 def state_dir_uri(config: StorageConfig, key: StateKey) -> str:
@@ -21,6 +22,11 @@ def state_dir_uri(config: StorageConfig, key: StateKey) -> str:
     else:
         rel = f"reference/{key.weights_digest}/prompts/{key.prompt_digest}"
     return f"{config.root_uri}/{rel}"
+
+
+def sweep_dir_uri(config: StorageConfig, run_id: str, policy_version: int, group: int) -> str:
+    """{root}/runs/{run}/policy-v{v}/sweeps/g{group}: the sweep checkpoints of one backward."""
+    return f"{config.root_uri}/runs/{run_id}/policy-v{policy_version}/{SWEEPS_DIR}/g{group}"
 
 
 def shard_manifest_name(k: int) -> str:

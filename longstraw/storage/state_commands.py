@@ -35,8 +35,9 @@ def _size(n: int) -> str:
 def ls_cmd(
     root: str = typer.Argument(..., help="Storage root (path, file:// or s3:// URI)."),
 ) -> None:
-    """Committed states and uncommitted attempts under ROOT, with sizes."""
-    from longstraw.storage.gc import list_states
+    """Committed states and uncommitted attempts under ROOT, with sizes (and the sweep
+    checkpoints of backwards in flight or killed)."""
+    from longstraw.storage.gc import list_states, list_sweeps
 
     table = Table(title=f"prompt states under {root}")
     for col in ("state", "status", "tokens", "shards", "attempts", "size"):
@@ -56,6 +57,24 @@ def ls_cmd(
             "committed" if d.committed else "[yellow]uncommitted[/yellow]",
             str(d.num_tokens or "-"),
             str(len(d.shard_manifests)),
+            attempts or "-",
+            _size(d.nbytes),
+        )
+    print_table(console, table)
+    sweeps = list_sweeps(root)
+    if not sweeps:
+        return
+    table = Table(title=f"sweep checkpoints under {root}")
+    for col in ("backward", "checkpoints (shards swept)", "attempts", "size"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for d in sweeps:
+        attempts = ", ".join(
+            f"{a.attempt_id[:8]}{'' if a.committed else ' (uncommitted)'} {_size(a.nbytes)}"
+            for a in d.attempts.values()
+        )
+        table.add_row(
+            f"{d.run_id} v{d.policy_version} {d.group}",
+            ", ".join(map(str, d.committed)) or "-",
             attempts or "-",
             _size(d.nbytes),
         )
@@ -159,8 +178,9 @@ def gc_cmd(
         "./.longstraw/prefect/longstraw-locks).",
     ),
 ) -> None:
-    """Remove uncommitted attempts and half-written checkpoints (`checkpoints/v*.tmp-*`) past the
-    grace period, states of old policy versions, and locks whose holder is gone."""
+    """Remove uncommitted attempts (of prompt states and of sweep checkpoints) and half-written
+    checkpoints (`checkpoints/v*.tmp-*`) past the grace period, states of old policy versions,
+    and locks whose holder is gone."""
     from longstraw.schemas.storage import StorageConfig
     from longstraw.storage.gc import (
         collect_checkpoint_leftovers,

@@ -1,5 +1,6 @@
 """The step's stages as Prefect tasks: one thin task per stage function, nothing else (the
-rollout and backward tasks also log their group's rewards, `names.rollout_line`/`backward_line`).
+rollout and backward tasks also log their group's rewards, `names.rollout_line`/`backward_line`,
+and the backward task shows its sweep's progress, `sweep_progress_artifact`).
 
 Each task calls its stage (`longstraw.training.stages`) with the same arguments — configs and
 refs — and returns its refs; Prefect adds retries, caching, names and the audit trail. A task
@@ -10,13 +11,17 @@ name from storage.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import prefect
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.logging.loggers import task_run_logger
 
@@ -34,7 +39,7 @@ from longstraw.tasks.policies import (
     retry_on_transient,
     serializable_cache_policy,
 )
-from longstraw.training import evaluation, stages
+from longstraw.training import evaluation, progress, stages
 from longstraw.training.step import Stages
 
 _RETRY = {"retries": 1, "retry_delay_seconds": 1, "retry_condition_fn": retry_on_transient}
@@ -64,6 +69,58 @@ def logging_line(line: Callable[[dict, object], str]):
         return run
 
     return wrap
+
+
+SWEEP_ARTIFACT_INTERVAL_S = 2.0
+"""Shortest wait between two updates of a backward task's sweep progress (a one-hour sweep of
+256 shards updates it every shard; a tiny one does not flood the API)."""
+
+
+def sweep_progress_artifact(stage):
+    """The backward stage, showing its group's exact reverse sweep as a progress artifact of its
+    task run: "sweep shards of group N" (swept / to sweep, the shards taken from a sweep
+    checkpoint counted as swept), from the "sweep_shard" progress events (`training.progress`;
+    relayed from another replica's ranks). A call outside a task run shows nothing."""
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def run(*args, **kwargs):
+        if TaskRunContext.get() is None:
+            return stage(*args, **kwargs)
+        group = signature.bind(*args, **kwargs).arguments["rollout"].prompt.index
+        # The events may come from the thread relaying another replica's: the artifact calls
+        # run in this task run's context, one at a time.
+        context, lock = contextvars.copy_context(), threading.Lock()
+        shown = {"artifact": None, "at": 0.0}
+
+        def show(done: int, total: int, resumed: int) -> None:
+            value = 100.0 * done / max(total, 1)
+            if shown["artifact"] is None:
+                taken = f", {resumed} from a checkpoint" if resumed else ""
+                shown["artifact"] = create_progress_artifact(
+                    value, description=f"sweep shards of group {group} ({total}{taken})"
+                )
+            else:
+                update_progress_artifact(shown["artifact"], value)
+
+        def listen(event: str, fields: dict) -> None:
+            if event != "sweep_shard" or fields["group"] != group:
+                return
+            with lock:
+                now = time.monotonic()
+                last = fields["done"] == fields["total"]
+                if shown["artifact"] and not last and now - shown["at"] < SWEEP_ARTIFACT_INTERVAL_S:
+                    return
+                shown["at"] = now
+                context.run(show, fields["done"], fields["total"], fields["resumed"])
+
+        progress.add_listener(listen)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            progress.remove_listener(listen)
+
+    return run
 
 
 def log_cache_key(task, task_run, state) -> None:
@@ -123,7 +180,7 @@ rollout_group = _task("rollout_group", **_RETRY)(logging_line(rollout_line)(stag
 score_group = _task("score_group", **_RETRY)(stages.score_group)
 compute_advantages = _task("compute_advantages")(stages.compute_advantages)
 backward_group = _task("backward_group", **_RETRY)(
-    logging_line(backward_line)(stages.backward_group)
+    sweep_progress_artifact(logging_line(backward_line)(stages.backward_group))
 )
 reduce_gradients = _task("reduce_gradients", **_RETRY)(stages.reduce_gradients)
 apply_update = _task("apply_update")(stages.apply_update)

@@ -34,6 +34,8 @@ LONGSTRAW_NAMES: dict[str, str] = {
     "longstraw/advantage_max": "advantage_max",
     "longstraw/shards_computed": "shards_computed",
     "longstraw/shards_reused": "shards_reused",
+    "longstraw/sweep_shards_computed": "sweep_shards_computed",
+    "longstraw/sweep_shards_resumed": "sweep_shards_resumed",
     "longstraw/state_bytes": "state_bytes",
     "longstraw/state_peak_resident_bytes": "state_peak_resident_bytes",
     "longstraw/state_bytes_read": "state_bytes_read",

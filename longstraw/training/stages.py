@@ -59,6 +59,7 @@ from longstraw.training.metrics import STEP_RECORD_KEY, read_metrics, write_step
 from longstraw.training.policy_storage import CheckpointContents
 from longstraw.training.storage_faults import storage_faults
 from longstraw.training.streamed_state import budgeted_state
+from longstraw.training.sweep_checkpoints import sweep_checkpoints, sweep_key, sweep_progress
 
 
 @storage_faults
@@ -396,6 +397,9 @@ def backward_group(
 
     Replay and the reverse sweep are one stage, not two: the prompt cotangent dS lives only
     between them, so one idempotent unit is what makes a retry safe (it cannot double-count).
+    In exact mode the sweep commits checkpoints of its progress (`training.sweep_checkpoints`):
+    run again with the same inputs (`--resume`, a retry), the stage continues after the latest,
+    bitwise what one uninterrupted run gives.
     """
     ctx = held.policy(config, policy)
     prompt = rollout.prompt.model_copy(
@@ -425,9 +429,13 @@ def backward_group(
     # Each rank (one process: the only one) holds its part of the state and of the gradient:
     # with data-parallel replicas, the rows the replicas' sum leaves on its FSDP shards
     # (`distributed.gradient_slices`; a replica of one rank holds them all).
+    # A kill mid-sweep costs the shards since the last sweep checkpoint, not the sweep.
+    key = sweep_key(config, policy, rollout, plan, group, ref_scores, old_scores, iteration)
     grads, stats = group_gradient(
-        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange()
-    )
+        ctx.model, state, inputs, config.grpo, config.engine, exchange=held.prefix_exchange(),
+        checkpoints=sweep_checkpoints(config, key),
+        on_sweep_shard=sweep_progress(rollout.prompt.index),
+    )  # fmt: skip
     stats = stats.model_copy(
         update={"seconds": stats.seconds.model_copy(update={"prefill": prefill_seconds})}
     )

@@ -34,6 +34,7 @@ from longstraw.trackers.completions import write_completions
 from longstraw.training import evaluation as _evaluation
 from longstraw.training import finished_groups, progress
 from longstraw.training import stages as _stages
+from longstraw.training.sweep_checkpoints import discard_sweep_checkpoints
 
 
 def _no_labels(config: RunConfig, replica: int, index: int) -> contextlib.AbstractContextManager:
@@ -235,6 +236,7 @@ def run_step(
     traffic += [s.state_traffic for s in (*refs, *olds) if s is not None]
     current = policy
     group_stats: list[GroupStats] = []
+    sweep_shards = [0, 0]  # (computed, resumed) over every iteration's sweeps
     update: UpdateResult | None = None
     for iteration in range(config.grpo.num_iterations):
         if iteration > 0:
@@ -251,15 +253,21 @@ def run_step(
             add("prefill", sum(seconds for _, seconds in prefilled))
 
         def backward(g: int, at=current, iteration=iteration):
-            return finished_groups.backward(
-                config, at, rollouts[g], plan, refs[g], olds[g], iteration,
-                lambda: stages.backward_group(
-                    config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
-                ),
-            )  # fmt: skip
+            with progress.relayed("sweep_shard", rollouts[g].prompt.index):
+                result = finished_groups.backward(
+                    config, at, rollouts[g], plan, refs[g], olds[g], iteration,
+                    lambda: stages.backward_group(
+                        config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
+                    ),
+                )  # fmt: skip
+            # Its result is recorded: its sweep checkpoints are of no more use.
+            discard_sweep_checkpoints(config, at, rollouts[g].prompt.index)
+            return result
 
         results = across_replicas(config, current, prompts, stages, backward)
         group_stats = [r.stats for r in results]
+        sweep_shards[0] += sum(s.sweep_shards_computed for s in group_stats)
+        sweep_shards[1] += sum(s.sweep_shards_resumed for s in group_stats)
         traffic += [s.state_traffic for s in group_stats]
         for stats in group_stats:
             add("replay", stats.seconds.replay)
@@ -285,6 +293,7 @@ def run_step(
         shards_computed=sum(r.shards_computed for r in reports),
         shards_reused=sum(r.shards_reused for r in reports),
         state_traffic=traffic,
+        sweep_shards=sweep_shards,
     )
     if config.agent is not None:
         metrics = metrics.model_copy(update=agent_metrics(records))
@@ -356,10 +365,12 @@ def step_metrics(
     shards_reused: int,
     state_traffic: list[StateTraffic | None] = (),
     completion_lengths: list[int] = (),
+    sweep_shards: tuple[int, int] = (0, 0),
 ) -> StepMetrics:
     """The audit record of one step (`rewards`/`advantages` [groups, G]; `state_traffic` one
     entry per stage that read a prompt state, None where it was resident; `completion_lengths`
-    one entry per response)."""
+    one entry per response; `sweep_shards` the exact sweeps' shards (computed, resumed from
+    checkpoints))."""
     kls = [s.kl for s in group_stats if s.kl is not None]
     # A group whose rewards are all equal has zero advantages (TRL's frac_reward_zero_std).
     flat_groups = (rewards == rewards[:, :1]).all(dim=1)
@@ -396,6 +407,8 @@ def step_metrics(
         trainable_parameters=getattr(update, "trainable_parameters", None),
         shards_computed=shards_computed,
         shards_reused=shards_reused,
+        sweep_shards_computed=sweep_shards[0],
+        sweep_shards_resumed=sweep_shards[1],
         state_bytes=max((s.state_bytes for s in group_stats), default=None),
         state_peak_resident_bytes=max((t.peak_resident_bytes for t in tiered), default=None),
         state_bytes_read=sum(t.bytes_read for t in tiered),

@@ -66,8 +66,14 @@ def test_grpo_step_flow_trains_one_step_checkpoints_and_records_artifacts(
         assert state_names(runs, name) == ["Completed"], (name, [r.name for r in runs])
     assert state_names(runs, "write_checkpoint") == ["Completed"]
 
-    artifacts = {a.type: a for a in artifacts_of(flow_run_id)}
+    every = artifacts_of(flow_run_id)
+    artifacts = {a.type: a for a in every if a.task_run_id is None}
     assert artifacts["progress"].data == pytest.approx(100.0)
+    # The backward task shows its group's reverse sweep: every shard swept.
+    (backward,) = [r for r in runs if r.task_key.rsplit("-", 1)[0] == "backward_group"]
+    (sweep,) = [a for a in every if a.type == "progress" and a.task_run_id == backward.id]
+    assert sweep.description == f"sweep shards of group 0 ({NUM_SHARDS})"
+    assert sweep.data == pytest.approx(100.0)
     table = artifacts["table"]
     assert table.key == "grpo-step-flow-step"
     rows = table.data if isinstance(table.data, list) else json.loads(table.data)
