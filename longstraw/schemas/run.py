@@ -121,7 +121,9 @@ class EngineConfig(_Section):
     prompt_grad: Literal["exact", "detached"] = "exact"
     """exact: the true gradient through the prompt state (reverse sweep, ~one extra prompt
     forward+backward); detached: treat the prompt state as a constant (the original system's
-    capacity mode, biased)."""
+    capacity mode, biased). Measured on a long-context retrieval task at 2,048 tokens: exact
+    reached 60.2 % held-out against detached's 54.2 % after 300 GRPO steps, at 2.6x the step's
+    seconds (docs/benchmarks.md, "Learning at long context")."""
     branch_segment_tokens: int | None = Field(default=None, ge=1)
     """Responses longer than this are replayed in segments of this many tokens, one segment's
     autograd graph at a time, on top of the prompt state and the response's own earlier
