@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from bench_million_tokens import launch, log, run_path, run_yaml
+from bench_million_tokens import add_step_arguments, init_model, launch, log, run_path, run_yaml
 
 MODES = ("exact", "detached")
 
@@ -42,18 +40,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32768)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--size", choices=("tiny", "small"), default="small")
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--completion", type=int, default=16)
-    parser.add_argument("--shard-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--progress-s", type=float, default=60.0)
-    parser.add_argument("--rss-cap-gib", type=float, default=12.0)
+    add_step_arguments(parser, rss_cap_gib=12.0)
     args = parser.parse_args()
     args.work = args.work.resolve() / f"{args.size}-{args.prompt_tokens}"
     args.model_dir = args.work / "model"
-    if not (args.model_dir / "longstraw.json").exists():
-        subprocess.run([sys.executable, "-m", "longstraw.cli", "init-model", "--family", "qwen3_5",
-                        "--size", args.size, "--out", str(args.model_dir)], check=True)  # fmt: skip
+    init_model(args.size, args.model_dir)
     lora = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": "all-linear"}
     runs = {}
     for mode in MODES:

@@ -85,14 +85,28 @@ def narrow_config():
     return config
 
 
+def add_step_arguments(parser: argparse.ArgumentParser, rss_cap_gib: float) -> None:
+    """The arguments of the one-step `longstraw train` runs that `run_yaml` and `launch` make."""
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--completion", type=int, default=16)
+    parser.add_argument("--shard-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--progress-s", type=float, default=60.0)
+    parser.add_argument("--rss-cap-gib", type=float, default=rss_cap_gib)
+
+
+def init_model(size: str, model: Path) -> Path:
+    """`longstraw init-model`'s qwen3_5 checkpoint of `size` at `model`, built once."""
+    if not (model / "longstraw.json").exists():
+        subprocess.run([sys.executable, "-m", "longstraw.cli", "init-model", "--family", "qwen3_5",
+                        "--size", size, "--out", str(model)], check=True)  # fmt: skip
+    return model
+
+
 def build_model(args) -> Path:
     """The run's checkpoint under `--work`, built once: `init-model`'s tiny, or the narrow one."""
     if args.model == "tiny":
-        model = args.work / "model"
-        if not (model / "longstraw.json").exists():
-            subprocess.run([sys.executable, "-m", "longstraw.cli", "init-model", "--family",
-                            "qwen3_5", "--size", "tiny", "--out", str(model)], check=True)  # fmt: skip
-        return model
+        return init_model("tiny", args.work / "model")
     model = args.work / f"model-{args.model}"
     if not (model / "longstraw.json").exists():
         from longstraw.models.factory import write_random_checkpoint
@@ -423,12 +437,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="skip recorded runs, continue one")
     parser.add_argument("--budget-mib", type=float, default=16.0)
     parser.add_argument("--no-budget-runs", action="store_true")
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--completion", type=int, default=16)
-    parser.add_argument("--shard-tokens", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--progress-s", type=float, default=60.0)
-    parser.add_argument("--rss-cap-gib", type=float, default=10.0)
+    add_step_arguments(parser, rss_cap_gib=10.0)
     parser.add_argument("--kill-check", type=int, default=None, help="P of the kill test")
     parser.add_argument("--plot", type=Path, default=None, help="only draw `--out` to this PNG")
     parser.add_argument("--table", action="store_true", help="only print `--out` as markdown")

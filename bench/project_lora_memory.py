@@ -37,7 +37,7 @@ DEVICES = {"H200": 141e9, "H20": 96e9}
 ACTIVATIONS = 15e9
 CHUNK_POSITIONS = 1024
 MILLION = 2**20
-# Qwen3.5-27B's text model (tests/flows/test_example_configs.py: QWEN35_27B).
+# Qwen3.5-27B's text model (docs/design.md; tests/flows/test_example_configs.py builds it from here).
 QWEN35_27B = dict(
     hidden_size=5120,
     intermediate_size=17408,
@@ -81,7 +81,7 @@ class ModelFacts:
     """LoRA adapter parameters by setting name."""
 
 
-def _meta_model(model_type: str, **fields):
+def meta_model(model_type: str, **fields):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -94,7 +94,7 @@ def _adapter_params(model_type: str, fields: dict, lora: dict) -> int:
     from longstraw.models.lora import with_lora
     from longstraw.schemas.run import LoraConfig
 
-    model = _meta_model(model_type, **fields)
+    model = meta_model(model_type, **fields)
     with torch.device("meta"):
         peft_model = with_lora(model, LoraConfig(**lora), seed=0)
     return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -103,7 +103,7 @@ def _adapter_params(model_type: str, fields: dict, lora: dict) -> int:
 def qwen35_27b() -> ModelFacts:
     from longstraw.models.adapters import state_spec
 
-    model = _meta_model("qwen3_5_text", **QWEN35_27B)
+    model = meta_model("qwen3_5_text", **QWEN35_27B)
     kv = state_spec(model).full_attention
     per_layer = kv.num_kv_heads * (kv.head_dim + kv.value_head_dim)
     return ModelFacts(
@@ -119,7 +119,7 @@ def qwen35_27b() -> ModelFacts:
 def glm5() -> ModelFacts:
     from longstraw.models.adapters import state_spec
 
-    model = _meta_model("glm_moe_dsa")
+    model = meta_model("glm_moe_dsa")
     mla = state_spec(model).mla
     layers = len(mla.layer_indices)
     per_layer = mla.kv_lora_rank + mla.rope_dim

@@ -3,10 +3,10 @@ they name, and the Qwen3.5-27B example's model and per-rank state match the memo
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from longstraw.flows.train import run_config
@@ -17,24 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "qwen35-27b-1m-8gpu.yaml"
 TWO_NODES = ROOT / "examples" / "qwen35-27b-1m-2x8gpu.yaml"
 GIB = 2**30
-# Qwen3.5-27B's text model as docs/design.md describes it: 64 layers of hidden 5120, every
-# fourth one full attention (24 query / 4 kv heads × 256), 48 Gated DeltaNet layers.
-QWEN35_27B = dict(
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=64,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    vocab_size=248320,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-    tie_word_embeddings=False,
-)
 
 
 def _gpu_parameters() -> dict:
@@ -58,11 +40,10 @@ def test_gpu_deployment_runs_the_example_config_and_overrides_change_only_what_t
 
 
 def _qwen35_27b_on_meta():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_config = AutoConfig.for_model("qwen3_5_text", **QWEN35_27B)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
+    """Qwen3.5-27B's text model (the dimensions docs/design.md describes: 64 layers of hidden
+    5120, every fourth full attention) on the meta device, as the memory projection builds it."""
+    projection = _projection()
+    return projection.meta_model("qwen3_5_text", **projection.QWEN35_27B)
 
 
 def _gib_per_rank(config, model) -> tuple[float, float]:
@@ -145,6 +126,7 @@ def test_torchrun_manifest_forms_the_world_its_command_names():
 ONE_GPU_LORA = ROOT / "examples" / "qwen35-27b-1m-1gpu-lora.yaml"
 
 
+@functools.cache
 def _projection():
     """bench/project_lora_memory.py as a module: the projection docs/scaling.md tabulates."""
     import importlib.util
