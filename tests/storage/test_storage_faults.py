@@ -280,7 +280,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_resumes(
     (disk / "filler").unlink()
     rc, lines = run_train(tmp_path, "--resume")
     assert rc == 0, "\n".join(lines)[-4000:]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["v000001", "v000002"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert_bitwise_equal(checkpoint_tensors(run / "checkpoints" / "v000002"), one_process_final[2])
 
