@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -291,7 +292,14 @@ def run_training(
         if int(os.environ.get("RANK", "0")) == 0:
             stack.enter_context(run_lease(config))
         try:
-            return _run(config, resume=resume, use_prefect=use_prefect, debug=debug)
+            with _run_on_terminal(config, use_prefect) as shown:
+                if use_prefect:
+                    shown.history = _train_flow(config, resume, debug, shown.server)
+                else:
+                    from longstraw.training.loop import train
+
+                    shown.history = train(config, resume=resume).history
+            return shown.history
         except KeyboardInterrupt:
             signum = signals.received or signal.SIGINT
             raise _interrupted(config, signum, config_path, run_id, root) from None
@@ -384,7 +392,21 @@ class SweepBar:
             self.progress.update(self.task, visible=False)
 
 
-def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = False) -> list:
+@dataclass
+class _Shown:
+    """What `_run_on_terminal` holds for the run inside it."""
+
+    server: Any = None
+    """The embedded Prefect server (None: without Prefect, or the API at PREFECT_API_URL)."""
+    history: list = field(default_factory=list)
+    """The run's step records, set by the run: the summary is made of them."""
+
+
+@contextlib.contextmanager
+def _run_on_terminal(config: RunConfig, use_prefect: bool) -> Iterator[_Shown]:
+    """Around a run: its first line, the embedded Prefect server (`use_prefect`), the rank group,
+    the progress bars the run's events move; after it, every one of them stopped and, where it
+    finished, its summary and latest checkpoint."""
     console.print(
         f"[bold]LongStraw[/bold] run [cyan]{config.run_id}[/cyan]: {config.train.num_steps} steps × "
         f"{config.train.groups_per_step} groups × G={config.grpo.num_generations}, prompt_grad="
@@ -397,20 +419,20 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
     from longstraw.distributed.stage_group import start_stage_group, stop_stage_group
     from longstraw.training import progress as events
 
-    server = None
+    shown = _Shown()
     if use_prefect:
         from longstraw.flows.embedded_server import EmbeddedServer
 
         # Comes up while the ranks start and the flow's modules import; in a session of its own
         # (it survives the group's signal and dies with this process).
-        server = EmbeddedServer.start()
+        shown.server = EmbeddedServer.start()
     # Under torchrun, every rank but 0 serves the stages from here and exits when rank 0 is done;
     # without it, rank 0 starts the other ranks on this machine.
     try:
         start_stage_group(config.parallel)
     except BaseException:
-        if server is not None:
-            server.stop()
+        if shown.server is not None:
+            shown.server.stop()
         raise
     started = time.perf_counter()
     with Progress(
@@ -434,55 +456,52 @@ def _run(config: RunConfig, *, resume: bool, use_prefect: bool, debug: bool = Fa
             elif event == "step":
                 progress.update(steps_bar, completed=fields["step"] + 1)
                 sweep.new_step()
-            elif event == "flow_run" and use_prefect and server is None and fields["ui_url"]:
+            elif event == "flow_run" and use_prefect and shown.server is None and fields["ui_url"]:
                 # A server the user runs outlives this run: its page is worth opening. The
                 # embedded API stops with the run and serves no UI.
                 progress.console.print(f"Prefect UI: {fields['ui_url']}", markup=False)
 
         events.add_listener(listen)
         try:
-            if use_prefect:
-                from longstraw.flows.train import train as train_flow
-
-                if not debug:
-                    import logging
-
-                    from longstraw.flows.console import (
-                        hide_replaced_interrupts_on_console,
-                        hide_user_errors_on_console,
-                    )
-
-                    # A user error is printed once, as one line, when it reaches the CLI; so is
-                    # an interrupt, even when an error replaced it on its way out.
-                    hide_user_errors_on_console()
-                    hide_replaced_interrupts_on_console()
-                    # Prefect's log shipping then keeps quiet when the API fails (a full volume
-                    # under the embedded server's database): the stdlib's production setting.
-                    logging.raiseExceptions = False
-
-                if server is None:
-                    console.print("[dim]starting Prefect (the API at PREFECT_API_URL)…[/dim]")
-                else:
-                    console.print(
-                        f"[dim]starting Prefect (embedded local API, {server.url})…[/dim]"
-                    )
-                    server.use()
-                history = train_flow(config.model_dump(mode="json"), resume=resume)
-            else:
-                from longstraw.training.loop import train
-
-                history = train(config, resume=resume).history
+            yield shown
         finally:
             events.remove_listener(listen)
             stop_stage_group()
-            if server is not None:
-                server.stop()
+            if shown.server is not None:
+                shown.server.stop()
         progress.update(steps_bar, completed=config.train.num_steps)
-    summary = run_summary(config, history)
+    summary = run_summary(config, shown.history)
     # A table has its own width (and a centred title); only a line of text is kept whole.
     console.print(summary, soft_wrap=console.soft_wrap and isinstance(summary, str))
     console.print(
         f"finished in {time.perf_counter() - started:.0f} s; latest checkpoint: "
         f"{latest_checkpoint(config.storage, config.run_id)}"
     )
-    return history
+
+
+def _train_flow(config: RunConfig, resume: bool, debug: bool, server) -> list:
+    """[steps] the run's step records, run by the Prefect flow (on `server`, the embedded API,
+    or None: the one at PREFECT_API_URL)."""
+    from longstraw.flows.train import train as train_flow
+
+    if not debug:
+        import logging
+
+        from longstraw.flows.console import (
+            hide_replaced_interrupts_on_console,
+            hide_user_errors_on_console,
+        )
+
+        # A user error is printed once, as one line, when it reaches the CLI; so is an
+        # interrupt, even when an error replaced it on its way out.
+        hide_user_errors_on_console()
+        hide_replaced_interrupts_on_console()
+        # Prefect's log shipping then keeps quiet when the API fails (a full volume under the
+        # embedded server's database): the stdlib's production setting.
+        logging.raiseExceptions = False
+    if server is None:
+        console.print("[dim]starting Prefect (the API at PREFECT_API_URL)…[/dim]")
+    else:
+        console.print(f"[dim]starting Prefect (embedded local API, {server.url})…[/dim]")
+        server.use()
+    return train_flow(config.model_dump(mode="json"), resume=resume)

@@ -7,6 +7,7 @@ KeyboardInterrupt through; the run must still stop with 128 + signum and the res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -24,8 +25,20 @@ def _run_training(run_id: str, tmp_path):
     return run_training(config, config_path=None, flags=flags, resume=False)
 
 
+def _the_run(run):
+    """`train_entry._run_on_terminal` replaced: entering it runs `run(config)`, as the run inside
+    it would (what it shows on the terminal is not what is tested)."""
+
+    @contextlib.contextmanager
+    def on_terminal(config, use_prefect):
+        run(config)
+        yield
+
+    return on_terminal
+
+
 def _signal_then_fail(unwinding_error: Exception):
-    def run(config, **kwargs):
+    def run(config):
         try:
             os.kill(os.getpid(), signal.SIGTERM)  # the handler raises KeyboardInterrupt here
         except KeyboardInterrupt:
@@ -59,7 +72,11 @@ class _nothing:
 def test_an_error_raised_while_the_interrupt_unwinds_ends_as_the_interrupt(
     monkeypatch, tmp_path, no_run_start
 ):
-    monkeypatch.setattr(train_entry, "_run", _signal_then_fail(ValueError("Task run is not set")))
+    monkeypatch.setattr(
+        train_entry,
+        "_run_on_terminal",
+        _the_run(_signal_then_fail(ValueError("Task run is not set"))),
+    )
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as stopped:
         _run_training("unwind", tmp_path)
@@ -79,7 +96,7 @@ def test_a_termination_signal_replaced_inside_a_flow_run_ends_as_the_interrupt(
     from prefect.exceptions import TerminationSignal
     from prefect.utilities.engine import capture_sigterm
 
-    def run(config, **kwargs):
+    def run(config):
         with capture_sigterm():  # the flow engine's bridge, as a flow run installs it
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -87,7 +104,7 @@ def test_a_termination_signal_replaced_inside_a_flow_run_ends_as_the_interrupt(
                 raise ValueError("Task run is not set")  # noqa: B904 (as Prefect raises it)
         raise AssertionError("Prefect's handler did not raise TerminationSignal")
 
-    monkeypatch.setattr(train_entry, "_run", run)
+    monkeypatch.setattr(train_entry, "_run_on_terminal", _the_run(run))
     armed, note = [], train_entry._Signals.note
 
     def noted(self, signum):
@@ -106,9 +123,9 @@ def test_a_termination_signal_replaced_inside_a_flow_run_ends_as_the_interrupt(
 def test_an_error_without_a_signal_is_not_taken_for_an_interrupt(
     monkeypatch, tmp_path, no_run_start
 ):
-    def fails(config, **kwargs):
+    def fails(config):
         raise ValueError("Task run is not set")
 
-    monkeypatch.setattr(train_entry, "_run", fails)
+    monkeypatch.setattr(train_entry, "_run_on_terminal", _the_run(fails))
     with pytest.raises(ValueError, match="Task run is not set"):
         _run_training("plain", tmp_path)

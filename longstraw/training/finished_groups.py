@@ -2,8 +2,9 @@
 
 A group's rollout, scores and backward each end in refs (`RolloutRef`, `ScoresRef`,
 `BackwardResult`) whose files the stage wrote. After the stage returns, the driver records the
-refs under the step's folder, keyed by everything the stage's result depends on: the run config,
-the policy (version and weights digest) and the stage's inputs. A run killed mid-step — a rank or
+refs under the step's folder (a `Record`: read before the stage runs, written after), keyed by
+everything the stage's result depends on: the run config, the policy (version and weights
+digest) and the stage's inputs. A run killed mid-step — a rank or
 a whole data-parallel replica gone — and started again with `--resume` redoes the step from its
 checkpoint; each group stage first looks here, and a group whose rollout and backward had
 finished is taken as it was (its files checked), so only the unfinished groups run again.
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -59,43 +60,55 @@ def _present(uri: str) -> bool:
     return Path(uri.removeprefix("file://")).exists()
 
 
-def finished(
-    config: RunConfig,
-    policy: PolicyRef,
-    name: str,
-    inputs: list,
-    model: type[Result],
-    run: Callable[[], Result | None],
-) -> Result | None:
-    """The stage's result: the recorded one where this step already finished it with the same
-    inputs (and its files are there), else `run()`'s, recorded."""
-    path, key = record_path(config, policy, f"{name}.json"), _key(config, policy, inputs)
-    if path.exists():
-        try:
-            (recorded,) = json.loads(path.read_text())
-            if recorded["key"] == key:
-                result = None if recorded["result"] is None else model(**recorded["result"])
-                if result is None or all(_present(uri) for uri in _files(result)):
-                    return result
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged record is no record: the stage runs
-    result = run()
-    body = {"key": key, "result": None if result is None else result.model_dump(mode="json")}
-    artifacts.write_json(path, [body])
-    return result
+@dataclass(frozen=True)
+class Record(Generic[Result]):
+    """Where one group stage's result is recorded in the step's folder, and the key it must
+    match: `read()` before the stage runs, `write(result)` after."""
+
+    path: Path
+    key: str
+    model: type[Result]
+
+    def read(self) -> tuple[bool, Result | None]:
+        """(found, result): the recorded result where this step already finished the stage with
+        the same inputs (and its files are there); (False, None) where the stage must run."""
+        if self.path.exists():
+            try:
+                (recorded,) = json.loads(self.path.read_text())
+                if recorded["key"] == self.key:
+                    body = recorded["result"]
+                    result = None if body is None else self.model(**body)
+                    if result is None or all(_present(uri) for uri in _files(result)):
+                        return True, result
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # a damaged record is no record: the stage runs
+        return False, None
+
+    def write(self, result: Result | None) -> Result | None:
+        """`result`, recorded."""
+        body = {
+            "key": self.key,
+            "result": None if result is None else result.model_dump(mode="json"),
+        }
+        artifacts.write_json(self.path, [body])
+        return result
 
 
-def rollout(config, policy, prompt, run) -> RolloutRef:
-    return finished(config, policy, f"g{prompt.index}-rollout", [prompt], RolloutRef, run)
+def _record(config: RunConfig, policy: PolicyRef, name: str, inputs: list, model) -> Record:
+    return Record(record_path(config, policy, f"{name}.json"), _key(config, policy, inputs), model)
 
 
-def scores(config, policy, rollout_ref, which: str, run) -> ScoresRef | None:
+def rollout(config, policy, prompt) -> Record[RolloutRef]:
+    return _record(config, policy, f"g{prompt.index}-rollout", [prompt], RolloutRef)
+
+
+def scores(config, policy, rollout_ref, which: str) -> Record[ScoresRef]:
     index = rollout_ref.prompt.index
-    inputs = [rollout_ref, which]
-    return finished(config, policy, f"g{index}-scores-{which}", inputs, ScoresRef, run)
+    return _record(config, policy, f"g{index}-scores-{which}", [rollout_ref, which], ScoresRef)
 
 
-def backward(config, policy, rollout_ref, plan, ref_scores, old_scores, iteration, run):
+def backward(config, policy, rollout_ref, plan, ref_scores, old_scores, iteration) -> Record:
     index = rollout_ref.prompt.index
     inputs = [rollout_ref, plan, ref_scores, old_scores, iteration]
-    return finished(config, policy, f"g{index}-i{iteration}-backward", inputs, BackwardResult, run)
+    name = f"g{index}-i{iteration}-backward"
+    return _record(config, policy, name, inputs, BackwardResult)

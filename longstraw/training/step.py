@@ -100,10 +100,12 @@ def across_replicas(
     with R replicas, each replica's groups in a lane of its own, the lanes at once. A lane that
     fails stops the others at their next group; its error is raised once all have stopped."""
     lanes = replica_lanes(prompts, config.parallel.data_parallel)
-    names = [(d, g) for d, lane in enumerate(lanes) for g in lane]
-    if config.parallel.data_parallel == 1:
-        return [_labelled(config, stages, d, prompts[g], work, g) for d, g in names]
     results: list = [None] * len(prompts)
+    if config.parallel.data_parallel == 1:
+        for g in lanes[0]:
+            with stages.for_group(config, 0, prompts[g].index):
+                results[g] = work(g)
+        return results
     failed = threading.Event()
 
     def run_lane(d: int) -> None:
@@ -112,7 +114,8 @@ def across_replicas(
                 if failed.is_set():
                     return
                 try:
-                    results[g] = _labelled(config, stages, d, prompts[g], work, g)
+                    with stages.for_group(config, d, prompts[g].index):
+                        results[g] = work(g)
                 except BaseException:
                     failed.set()
                     raise
@@ -139,11 +142,6 @@ def on_first_replica(config: RunConfig, policy: PolicyRef, stages: Stages, call:
     stages.ready_to_compute(config, policy)
     with replicas_serving(), on_replica(0):
         return call()
-
-
-def _labelled(config, stages: Stages, replica: int, prompt, work, g):
-    with stages.for_group(config, replica, prompt.index):
-        return work(g)
 
 
 class _ShardCount:
@@ -177,9 +175,10 @@ def _prefill(config: RunConfig, policy: PolicyRef, prompt, stages: Stages, count
 def _prefilled_rollout(config: RunConfig, policy: PolicyRef, prompt, stages: Stages, count):
     """(prefill report, its seconds, rollout) of one group."""
     report, seconds = _prefill(config, policy, prompt, stages, count)
-    rollout = finished_groups.rollout(
-        config, policy, prompt, lambda: stages.rollout_group(config, policy, prompt)
-    )
+    record = finished_groups.rollout(config, policy, prompt)
+    found, rollout = record.read()
+    if not found:
+        rollout = record.write(stages.rollout_group(config, policy, prompt))
     return report, seconds, rollout
 
 
@@ -187,10 +186,11 @@ def _scores(config: RunConfig, policy: PolicyRef, rollout, stages: Stages):
     """(reference, old) scores of one group: None where beta = 0 / num_iterations = 1."""
 
     def score(which: str):
-        return finished_groups.scores(
-            config, policy, rollout, which,
-            lambda: stages.score_group(config, policy, rollout, which),
-        )  # fmt: skip
+        record = finished_groups.scores(config, policy, rollout, which)
+        found, scores = record.read()
+        if found:
+            return scores
+        return record.write(stages.score_group(config, policy, rollout, which))
 
     ref = score("reference") if config.grpo.beta > 0 else None
     # More than one update per rollout needs the rollout policy's log-probs (no-grad replay).
@@ -253,13 +253,17 @@ def run_step(
             add("prefill", sum(seconds for _, seconds in prefilled))
 
         def backward(g: int, at=current, iteration=iteration):
-            with progress.relayed("sweep_shard", rollouts[g].prompt.index):
-                result = finished_groups.backward(
-                    config, at, rollouts[g], plan, refs[g], olds[g], iteration,
-                    lambda: stages.backward_group(
-                        config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
-                    ),
-                )  # fmt: skip
+            record = finished_groups.backward(
+                config, at, rollouts[g], plan, refs[g], olds[g], iteration
+            )
+            found, result = record.read()
+            if not found:
+                with progress.relayed("sweep_shard", rollouts[g].prompt.index):
+                    result = record.write(
+                        stages.backward_group(
+                            config, at, rollouts[g], plan, g, refs[g], olds[g], iteration
+                        )
+                    )
             # Its result is recorded: its sweep checkpoints are of no more use.
             discard_sweep_checkpoints(config, at, rollouts[g].prompt.index)
             return result
