@@ -32,16 +32,17 @@ from transformers import PreTrainedModel
 
 from longstraw.distributed.fsdp import data_seq_mesh, shard_model_over_data_and_seq
 from longstraw.distributed.gradient_slices import SliceLayout
+from longstraw.distributed.topology import Topology
 
 _meshes: dict[tuple[str, int], DeviceMesh] = {}
 
 
-def training_mesh(device_type: str) -> DeviceMesh:
+def training_mesh(device_type: str, world_size: int) -> DeviceMesh:
     """The mesh FSDP shards the policy over: every rank of the run, flattened (global rank g
     holds chunk g); created once per process (creating it is collective)."""
-    key = (device_type, dist.get_world_size())
+    key = (device_type, world_size)
     if key not in _meshes:
-        _meshes[key] = data_seq_mesh(1, dist.get_world_size(), device_type)
+        _meshes[key] = data_seq_mesh(1, world_size, device_type)
     return _meshes[key]
 
 
@@ -51,11 +52,14 @@ class ShardedWeights:
 
     modules: list[FSDPModule]
     mesh: DeviceMesh
+    topology: Topology
+    """The run's ranks (`distributed.topology`): global rank g holds chunk g."""
     gathered: bool = False
     layout: SliceLayout = field(init=False)
 
     def __post_init__(self) -> None:
-        self.layout = SliceLayout(dist.get_rank(), dist.get_world_size(), 1)
+        # Every rank of the run as one slice group: the chunks are over the whole world.
+        self.layout = SliceLayout(self.topology.rank, self.topology.world_size, 1)
 
     def gather(self) -> None:
         """All-gather every unit's parameters (no-op when they are gathered already)."""
@@ -84,11 +88,12 @@ class ShardedWeights:
         return out.cpu()
 
 
-def shard_policy(model: PreTrainedModel) -> ShardedWeights:
-    """Shard `model`'s parameters over all ranks (collective: every rank, same model)."""
-    mesh = training_mesh("cuda" if model.device.type == "cuda" else "cpu")
+def shard_policy(model: PreTrainedModel, topology: Topology) -> ShardedWeights:
+    """Shard `model`'s parameters over every rank of `topology` (collective: every rank, same
+    model)."""
+    mesh = training_mesh("cuda" if model.device.type == "cuda" else "cpu", topology.world_size)
     modules, _ = shard_model_over_data_and_seq(model, mesh)
-    return ShardedWeights(modules=modules, mesh=mesh)
+    return ShardedWeights(modules=modules, mesh=mesh, topology=topology)
 
 
 def local_shards(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:

@@ -179,7 +179,7 @@ class ShardedPolicy:
     @classmethod
     def over_ranks(cls, model: PreTrainedModel, config: RunConfig, *, num_steps: int):
         """Shard `model` over the run's ranks and build the optimizer of this rank's rows."""
-        weights = shard_policy(model)
+        weights = shard_policy(model, active_topology())
         optimizer = PolicyOptimizer.over_local_shards(
             local_shards(model),
             config.grpo,
