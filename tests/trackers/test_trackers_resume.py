@@ -38,9 +38,10 @@ REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "tracked"
 NUM_STEPS = 4
 NUM_GENERATIONS = 2
-REWARD_DELAY_S = 3.0
+REWARD_DELAY_S = 60.0
 """Step 3's rewards are slow (same values), so the kill lands inside step 3, after step 2 was
-logged and before step 3's checkpoint."""
+logged and before step 3's checkpoint. Long, as it costs nothing (the kill ends it): at 3 s a
+loaded machine's poll once saw step 2 in MLflow only after step 3 was logged too."""
 STEPS = list(range(NUM_STEPS))
 # Numbers that depend on the machine, not on the algorithm: a re-run step's differ.
 MACHINE_PREFIXES = ("longstraw/seconds/", "longstraw/peak_rss_bytes")
