@@ -31,6 +31,7 @@ from longstraw.storage.paths import (
     SHARDS_DIR,
     SWEEPS_DIR,
     filesystem,
+    json_number,
 )
 from longstraw.storage.sweep_checkpoints import SWEEP_CHECKPOINTS_DIR
 
@@ -71,6 +72,14 @@ def _mtime(info: dict) -> float:
         return float(info["mtime"])
     lm = info.get("LastModified") or info.get("last_modified")
     return lm.timestamp() if lm is not None else 0.0
+
+
+def _count_in_attempt(attempts: dict[str, AttemptInfo], rest: str, size: int, info: dict) -> None:
+    """Count an object at `rest` (`attempt-<id>/...` inside its directory) into its attempt."""
+    attempt_id = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
+    attempt = attempts.setdefault(attempt_id, AttemptInfo(attempt_id))
+    attempt.nbytes += size
+    attempt.newest_mtime = max(attempt.newest_mtime, _mtime(info))
 
 
 def _parse(rel: str):
@@ -119,15 +128,11 @@ def list_states(root_uri: str, config: StorageConfig | None = None) -> list[Stat
         d.nbytes += size
         if rest == COMMITTED_NAME:
             d.committed = True
-        elif rest.startswith(SHARDS_DIR + "/") and rest.endswith(".json"):
-            base = rest[len(SHARDS_DIR) + 1 : -5]
-            if base.isdigit():
-                d.shard_manifests[int(base)] = path
+        elif rest.startswith(SHARDS_DIR + "/"):
+            if (shard := json_number(rest)) is not None:
+                d.shard_manifests[shard] = path
         elif rest.startswith(ATTEMPT_PREFIX):
-            attempt_id = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
-            a = d.attempts.setdefault(attempt_id, AttemptInfo(attempt_id))
-            a.nbytes += size
-            a.newest_mtime = max(a.newest_mtime, _mtime(info))
+            _count_in_attempt(d.attempts, rest, size, info)
     for d_rel, d in dirs.items():
         if d.committed:
             manifest = StateManifest.model_validate_json(
@@ -176,15 +181,12 @@ def list_sweeps(root_uri: str, config: StorageConfig | None = None) -> list[Swee
         d = dirs.setdefault(d_rel, SweepDirInfo(f"{root_uri}/{d_rel}", run_id, version, group))
         size = int(info.get("size") or 0)
         d.nbytes += size
-        base = rest.rsplit("/", 1)[-1]
-        if rest.startswith(SWEEP_CHECKPOINTS_DIR + "/") and base[:-5].isdigit():
-            d.committed.append(int(base[:-5]))
-            markers.append((d, path))
+        if rest.startswith(SWEEP_CHECKPOINTS_DIR + "/"):
+            if (swept := json_number(rest)) is not None:
+                d.committed.append(swept)
+                markers.append((d, path))
         elif rest.startswith(ATTEMPT_PREFIX):
-            attempt_id = rest[len(ATTEMPT_PREFIX) :].split("/", 1)[0]
-            a = d.attempts.setdefault(attempt_id, AttemptInfo(attempt_id))
-            a.nbytes += size
-            a.newest_mtime = max(a.newest_mtime, _mtime(info))
+            _count_in_attempt(d.attempts, rest, size, info)
     for d, path in markers:
         try:
             attempt_id = SweepCheckpointManifest.model_validate_json(fs.cat_file(path)).attempt_id

@@ -75,6 +75,26 @@ def s3_filesystem(
     return fs, fs._strip_protocol(uri).rstrip("/")
 
 
+def json_number(name: str) -> int | None:
+    """k of a numbered manifest or marker named `{k:05d}.json` (a path's last part); None for
+    any other name."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    if base.endswith(".json") and base[:-5].isdigit():
+        return int(base[:-5])
+    return None
+
+
+def numbered_json(fs: fsspec.AbstractFileSystem, path: str) -> list[int]:
+    """The numbers of the `{k:05d}.json` files in folder `path` now (not a cached listing),
+    ascending; [] where the folder is not there."""
+    fs.invalidate_cache(path)
+    try:
+        names = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(k for k in map(json_number, names) if k is not None)
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 

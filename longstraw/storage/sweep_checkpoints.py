@@ -57,6 +57,7 @@ from longstraw.storage.layout_io import RAW_CHUNKS, consolidated, zarr_store
 from longstraw.storage.paths import (
     attempt_dir_name,
     filesystem,
+    numbered_json,
     sweep_dir_uri,
 )
 
@@ -101,18 +102,7 @@ class SweepCheckpointStore:
     # ---------------------------------------------------------------- finding
     def committed(self) -> list[int]:
         """`swept` of every marker present, ascending."""
-        path = f"{self.dir_path}/{SWEEP_CHECKPOINTS_DIR}"
-        self.fs.invalidate_cache(path)
-        try:
-            names = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        found = []
-        for name in names:
-            base = name.rstrip("/").rsplit("/", 1)[-1]
-            if base.endswith(".json") and base[:-5].isdigit():
-                found.append(int(base[:-5]))
-        return sorted(found)
+        return numbered_json(self.fs, f"{self.dir_path}/{SWEEP_CHECKPOINTS_DIR}")
 
     def marker_uri(self, swept: int) -> str:
         return f"{self.dir_uri}/{marker_name(swept)}"

@@ -67,6 +67,7 @@ from longstraw.storage.paths import (
     ZARR_NAME,
     attempt_dir_name,
     filesystem,
+    numbered_json,
     shard_manifest_name,
     state_dir_uri,
 )
@@ -123,18 +124,7 @@ class StateWriter:
     # ---------------------------------------------------------------- discovery
     def completed_shards(self) -> list[int]:
         """Sorted indices of the shard manifests present now (any attempt)."""
-        path = f"{self.dir_path}/{SHARDS_DIR}"
-        self.fs.invalidate_cache(path)
-        try:
-            names = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        out = []
-        for n in names:
-            base = n.rstrip("/").rsplit("/", 1)[-1]
-            if base.endswith(".json") and base[:-5].isdigit():
-                out.append(int(base[:-5]))
-        return sorted(out)
+        return numbered_json(self.fs, f"{self.dir_path}/{SHARDS_DIR}")
 
     def next_shard(self) -> int:
         """First shard index without a manifest: where a resumed prefill continues."""

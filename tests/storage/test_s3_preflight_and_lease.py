@@ -85,6 +85,7 @@ def test_preflight_refuses_an_unreachable_s3_endpoint(s3_env, tmp_path, monkeypa
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.processes  # the second writer is a process of its own
 def test_s3_runs_lease_lives_beside_its_checkpoints_and_refuses_a_second_writer(s3_env, tmp_path):
     root_uri = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     local = tmp_path / "local"
