@@ -4,10 +4,10 @@ A group's rollout, scores and backward each end in refs (`RolloutRef`, `ScoresRe
 `BackwardResult`) whose files the stage wrote. After the stage returns, the driver records the
 refs under the step's folder (a `Record`: read before the stage runs, written after), keyed by
 everything the stage's result depends on: the run config, the policy (version and weights
-digest) and the stage's inputs. A run killed mid-step — a rank or
-a whole data-parallel replica gone — and started again with `--resume` redoes the step from its
-checkpoint; each group stage first looks here, and a group whose rollout and backward had
-finished is taken as it was (its files checked), so only the unfinished groups run again.
+digest) and the stage's inputs. A run killed mid-step — a rank or a whole data-parallel replica
+gone — and started again with `--resume` redoes the step from its checkpoint; each group stage
+first looks here, and a group whose rollout and backward had finished is taken as it was (its
+files checked), so only the unfinished groups run again.
 
 Nothing here is trusted blindly: a record whose key differs (another config, other weights) or
 whose files are gone or rewritten is ignored, and the stage runs.

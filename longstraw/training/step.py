@@ -188,9 +188,9 @@ def _scores(config: RunConfig, policy: PolicyRef, rollout, stages: Stages):
     def score(which: str):
         record = finished_groups.scores(config, policy, rollout, which)
         found, scores = record.read()
-        if found:
-            return scores
-        return record.write(stages.score_group(config, policy, rollout, which))
+        if not found:
+            scores = record.write(stages.score_group(config, policy, rollout, which))
+        return scores
 
     ref = score("reference") if config.grpo.beta > 0 else None
     # More than one update per rollout needs the rollout policy's log-probs (no-grad replay).
